@@ -1,0 +1,128 @@
+"""A CPU stand-in for Transformer Engine's ``FusedAdam`` (TE 2.x), for tests without a GPU.
+
+Transformer Engine cannot be imported without CUDA, so CPU tests cannot use the real
+class. This stand-in is written from the behaviour of
+``transformer_engine.pytorch.optimizers.fused_adam.FusedAdam`` in TE 2.20 that checkpoint
+loading depends on, and reproduces it:
+
+* attributes ``master_weights``, ``store_param_remainders`` (only kept with FP32 master
+  weights) and ``name_to_dtype_map`` (``exp_avg``/``exp_avg_sq``/``master_param`` dtypes);
+* ``load_state_dict``: runs ``torch.optim.Optimizer.load_state_dict``, then for every
+  parameter resets its state to ``{}`` and, for each incoming key, *allocates a new
+  tensor* of the configured dtype (``_initialize_state``: ``torch.empty_like``) and copies
+  the incoming value into it (``set_scaled_state``) — the allocate-and-copy that doubles
+  the moments' memory while the caller still holds the incoming tensors;
+* ``state_dict``: non-FP32 state is returned as FP32 copies, FP32 state as is;
+* ``step``: AdamW with a per-group ``step`` counter, as TE keeps it.
+
+Every state tensor it allocates is counted in ``allocations`` so tests can prove that an
+adopter allocated nothing. FP16/FP8 scaled moments are not reproduced (only FP32 and BF16).
+"""
+
+from itertools import chain
+from typing import Any, Dict, Iterable
+
+import torch
+
+
+class FusedAdamStandIn(torch.optim.Optimizer):
+    """CPU stand-in for TE FusedAdam's state handling (see the module docstring)."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        master_weights: bool = False,
+        master_weight_dtype: torch.dtype = torch.float32,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        store_param_remainders: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.master_weights = master_weights
+        self.store_param_remainders = (
+            store_param_remainders and master_weights and master_weight_dtype == torch.float32
+        )
+        self.name_to_dtype_map = {
+            "exp_avg": exp_avg_dtype,
+            "exp_avg_sq": exp_avg_sq_dtype,
+            "master_param": master_weight_dtype,
+        }
+        self.allocations = 0
+
+    def _initialize_state(self, param: torch.Tensor, state_name: str, zero_buffer: bool) -> None:
+        """Allocate one state tensor of the configured dtype, as TE does."""
+        data = torch.empty_like(param, dtype=self.name_to_dtype_map[state_name])
+        if zero_buffer:
+            data.zero_()
+        self.allocations += 1
+        self.state[param][state_name] = data
+
+    def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled: torch.Tensor) -> None:
+        """Copy ``unscaled`` (FP32) into the parameter's state, allocating it if missing."""
+        assert unscaled.dtype == torch.float32
+        if state_name not in self.state[param]:
+            self._initialize_state(param, state_name, zero_buffer=False)
+        self.state[param][state_name].copy_(unscaled)
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        """Return the FP32 tensor itself, or an FP32 copy of a BF16 state."""
+        state = self.state[param][state_name]
+        return state if state.dtype == torch.float32 else state.float()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """PyTorch's state dict with every state tensor unscaled to FP32."""
+        state_dict = super().state_dict()
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        for state_id, param in zip(ids, params):
+            if state_id in state_dict["state"]:
+                state_dict["state"][state_id] = {
+                    name: self.get_unscaled_state(param, name)
+                    for name in state_dict["state"][state_id]
+                }
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """PyTorch's loader, then re-allocate and copy every state tensor, as TE does."""
+        super().load_state_dict(state_dict)
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        for state_id, param in zip(ids, params):
+            if state_id in state_dict["state"]:
+                incoming = state_dict["state"][state_id]
+                self.state[param] = {}
+                for name, value in incoming.items():
+                    if value is not None:
+                        self.set_scaled_state(param, name, value.float())
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """One AdamW step; moments are read and written in their configured dtype."""
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            bias_correction1 = 1 - beta1 ** group["step"]
+            bias_correction2 = 1 - beta2 ** group["step"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                for name in ("exp_avg", "exp_avg_sq"):
+                    if name not in state:
+                        self._initialize_state(param, name, zero_buffer=True)
+                exp_avg = self.get_unscaled_state(param, "exp_avg")
+                exp_avg_sq = self.get_unscaled_state(param, "exp_avg_sq")
+                grad = param.grad.float()
+                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (exp_avg_sq / bias_correction2).sqrt_().add_(group["eps"])
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.addcdiv_(exp_avg, denom, value=-group["lr"] / bias_correction1)
+                state["exp_avg"].copy_(exp_avg)
+                state["exp_avg_sq"].copy_(exp_avg_sq)
