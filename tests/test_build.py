@@ -8,11 +8,16 @@ download anything.
 
 from __future__ import annotations
 
+import base64
+import csv
+import hashlib
 import importlib.metadata
 import importlib.util
+import io
 import os
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -179,6 +184,27 @@ def test_composition_succeeds_on_pristine_inputs(upstream_copy: Path, tmp_path: 
     wheel = compose.compose_wheel(upstream_copy, REPO_ROOT, [PATCH_FILE], tmp_path / "out")
     upstream_tags = upstream_copy.name.split("-", 2)[2]
     assert wheel.name == f"megatron_core-{EXPECTED_VERSION}-{upstream_tags}"
+    dist_info = f"megatron_core-{EXPECTED_VERSION}.dist-info"
+    with zipfile.ZipFile(wheel) as composed, zipfile.ZipFile(upstream_copy) as original:
+        names = set(composed.namelist())
+        ours = {f"megatron/{p.relative_to(REPO_ROOT / 'megatron').as_posix()}"
+                for p in (REPO_ROOT / "megatron").rglob("*.py") if "__pycache__" not in p.parts}
+        assert ours and ours <= names
+        upstream_files = {n for n in original.namelist() if not n.endswith("/")}
+        assert {n for n in upstream_files if ".dist-info/" not in n} <= names
+        patched = composed.read(DISTRIB_OPTIMIZER).decode()
+        assert "from .state_adoption import load_inner_optimizer_state_dict" in patched
+        metadata = composed.read(f"{dist_info}/METADATA").decode()
+        assert f"\nVersion: {EXPECTED_VERSION}\n" in metadata
+        with composed.open(f"{dist_info}/RECORD") as record_file:
+            record = list(csv.reader(io.TextIOWrapper(record_file, encoding="utf-8")))
+        assert {row[0] for row in record} == names
+        for path, digest, size in record:
+            if path == f"{dist_info}/RECORD":
+                continue
+            data = composed.read(path)
+            expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            assert (digest, int(size)) == (f"sha256={expected.decode()}", len(data)), path
 
 
 # metadata conversion used by setup.py (no upstream wheel needed)

@@ -1,0 +1,102 @@
+"""Small real adopters used by the registry and fail-safety tests."""
+
+from typing import Any, List, Optional
+
+import torch
+
+from megatron.core.optimizer.state_adoption import StateAdoptionContext
+
+
+class PyTorchLoaderAdopter:
+    """Accepts one optimizer class and installs the state with PyTorch's own loader.
+
+    Records every context it was asked about and every adoption it made.
+    """
+
+    def __init__(self, name: str, optimizer_class: type = torch.optim.Optimizer) -> None:
+        self.name = name
+        self.optimizer_class = optimizer_class
+        self.checked: List[StateAdoptionContext] = []
+        self.adopted: List[StateAdoptionContext] = []
+
+    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        self.checked.append(context)
+        if not isinstance(context.optimizer, self.optimizer_class):
+            return f"not a {self.optimizer_class.__name__}"
+        return None
+
+    def adopt(self, context: StateAdoptionContext) -> int:
+        torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
+        self.adopted.append(context)
+        return sum(
+            t.nbytes for s in context.state_dict["state"].values() for t in s.values() if isinstance(t, torch.Tensor)
+        )
+
+
+class DecliningAdopter:
+    """Always declines with a fixed reason."""
+
+    def __init__(self, name: str, reason: str = "never adopts") -> None:
+        self.name = name
+        self.reason = reason
+        self.checks = 0
+
+    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        self.checks += 1
+        return self.reason
+
+    def adopt(self, context: StateAdoptionContext) -> int:
+        raise AssertionError("adopt() called although decline_reason() declined")
+
+
+class RaisingCheckAdopter(DecliningAdopter):
+    """Its check raises."""
+
+    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        raise RuntimeError("check exploded")
+
+
+class GarbageCheckAdopter(DecliningAdopter):
+    """Its check returns something that is neither None nor a reason."""
+
+    def decline_reason(self, context: StateAdoptionContext) -> Any:
+        return 42
+
+
+class HalfInstallingAdopter:
+    """Accepts, installs the first parameter's state and mutates a group, then raises."""
+
+    def __init__(self, name: str = "half_installing", mutate_incoming: bool = False) -> None:
+        self.name = name
+        self.mutate_incoming = mutate_incoming
+
+    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        return None
+
+    def adopt(self, context: StateAdoptionContext) -> int:
+        optimizer = context.optimizer
+        first_param = optimizer.param_groups[0]["params"][0]
+        first_id = context.state_dict["param_groups"][0]["params"][0]
+        optimizer.state[first_param] = dict(context.state_dict["state"][first_id])
+        optimizer.state[first_param]["bogus"] = torch.zeros(1)
+        optimizer.param_groups[0]["lr"] = 999.0
+        optimizer.param_groups.append({"params": [], "lr": 1.0})
+        if self.mutate_incoming:
+            context.state_dict["state"].clear()  # type: ignore[attr-defined]
+            context.state_dict["param_groups"][0]["params"].pop()
+        raise RuntimeError("failed half-way")
+
+
+class GarbageAdoptAdopter:
+    """Installs the state with PyTorch's loader but returns ``result`` instead of bytes."""
+
+    def __init__(self, result: Any) -> None:
+        self.name = f"returns_{result!r}"
+        self.result = result
+
+    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        return None
+
+    def adopt(self, context: StateAdoptionContext) -> Any:
+        torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
+        return self.result
