@@ -1,0 +1,68 @@
+"""Build ``megatron-core`` 0.19.2+stateadoption from the pinned upstream wheel.
+
+The upstream ``megatron-core==0.19.2`` wheel is taken from ``$MCORE_UPSTREAM_WHEEL`` or
+from the cache ``build/upstream/``, else downloaded by this interpreter's pip into that
+cache; it is sha256-checked every time. ``setup()``'s dependency metadata is derived from
+its METADATA so that what pip resolves before the build matches the built wheel.
+``bdist_wheel`` then writes the composed wheel (see ``build_tools/compose_wheel.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from setuptools import setup  # type: ignore[import-untyped]
+from setuptools.command.bdist_wheel import bdist_wheel  # type: ignore[import-untyped]
+from setuptools.command.editable_wheel import editable_wheel  # type: ignore[import-untyped]
+
+REPO_ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from build_tools.compose_wheel import compose_wheel  # noqa: E402
+from build_tools.errors import ComposeError  # noqa: E402
+from build_tools.patching import find_patches  # noqa: E402
+from build_tools.requirements import requirements_from_metadata  # noqa: E402
+from build_tools.upstream import (  # noqa: E402
+    DIST_NAME,
+    LOCAL_VERSION,
+    ensure_upstream_wheel,
+    read_wheel_metadata,
+)
+
+UPSTREAM_CACHE_DIR = REPO_ROOT / "build" / "upstream"
+PATCHES_DIR = REPO_ROOT / "patches"
+
+
+class ComposedWheel(bdist_wheel):  # type: ignore[misc]
+    """``bdist_wheel`` that writes the composed wheel into ``dist_dir``."""
+
+    def run(self) -> None:
+        """Compose the wheel from the upstream wheel, the patches and ``megatron/``."""
+        upstream = ensure_upstream_wheel(UPSTREAM_CACHE_DIR)
+        wheel = compose_wheel(upstream, REPO_ROOT, find_patches(PATCHES_DIR), Path(self.dist_dir))
+        print(f"composed {wheel}", file=sys.stderr)
+
+
+class NoEditableWheel(editable_wheel):  # type: ignore[misc]
+    """``editable_wheel`` that refuses: the package is a composed wheel, not a source tree."""
+
+    def run(self) -> None:
+        """Fail with a clear message."""
+        raise ComposeError("editable installs are not supported; use 'pip install .'")
+
+
+_REQUIREMENTS = requirements_from_metadata(
+    read_wheel_metadata(ensure_upstream_wheel(UPSTREAM_CACHE_DIR))
+)
+
+setup(
+    name=DIST_NAME,
+    version=LOCAL_VERSION,
+    python_requires=_REQUIREMENTS.python_requires,
+    install_requires=_REQUIREMENTS.install_requires,
+    extras_require=_REQUIREMENTS.extras_require,
+    packages=[],
+    py_modules=[],
+    cmdclass={"bdist_wheel": ComposedWheel, "editable_wheel": NoEditableWheel},
+)
