@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 from adopters_for_tests import HalfInstallingAdopter, PyTorchLoaderAdopter
-from conftest import config_with, ddp_config_with
+from builders import config_with, ddp_config_with
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer import ChainedOptimizer

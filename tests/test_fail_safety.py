@@ -11,7 +11,7 @@ from adopters_for_tests import (
     PyTorchLoaderAdopter,
     RaisingCheckAdopter,
 )
-from conftest import (
+from builders import (
     Owner,
     assert_bitwise_equal,
     cloned_state_dict,
@@ -78,7 +78,7 @@ def test_rollback_restores_previous_state_exactly() -> None:
     snapshot = _OptimizerSnapshot.capture(optimizer)
     with pytest.raises(RuntimeError):
         HalfInstallingAdopter().adopt(
-            __import__("conftest").make_context(optimizer, cloned_state_dict(trained_standin()))
+            __import__("builders").make_context(optimizer, cloned_state_dict(trained_standin()))
         )
     snapshot.restore(optimizer)
     assert optimizer.param_groups == groups_before

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from adopters_for_tests import DecliningAdopter, PyTorchLoaderAdopter
-from conftest import Owner, cloned_state_dict, fresh_standin, standin_adopter, state_tensors, trained_standin
+from builders import Owner, cloned_state_dict, fresh_standin, standin_adopter, state_tensors, trained_standin
 
 from megatron.core.optimizer.state_adoption import (
     DISABLE_ENV_VAR,

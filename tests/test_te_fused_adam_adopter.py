@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict
 
 import pytest
 import torch
-from conftest import (
+from builders import (
     Owner,
     assert_bitwise_equal,
     cloned_state_dict,

@@ -1,0 +1,151 @@
+"""The default adopter against real Transformer Engine FusedAdam on the GPU."""
+
+import logging
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from builders import Owner, make_context
+from gpu_requirements import gpu_only
+
+from megatron.core.optimizer.state_adoption import (
+    StateAdopterRegistry,
+    TEFusedAdamFP32StateAdopter,
+    load_inner_optimizer_state_dict,
+)
+
+pytestmark = gpu_only
+
+SHAPES = [(4096,), (256, 64), (1000,)]
+
+
+def _fused_adam(dtype: torch.dtype = torch.float32, **kwargs: Any) -> torch.optim.Optimizer:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=generator, device="cuda").to(dtype)) for s in SHAPES
+    ]
+    return FusedAdam(params, lr=1e-3, weight_decay=0.01, **kwargs)
+
+
+def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _step(optimizer: torch.optim.Optimizer, seed: int) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(100 + seed)
+    for param in _params(optimizer):
+        param.grad = torch.randn(param.shape, generator=generator, device="cuda").to(param.dtype)
+    optimizer.step()
+
+
+def _trained(**kwargs: Any) -> torch.optim.Optimizer:
+    optimizer = _fused_adam(**kwargs)
+    for seed in range(2):
+        _step(optimizer, seed)
+    return optimizer
+
+
+def _payload(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """FusedAdam's state dict (FP32 unscaled), every tensor cloned: MCore's scaffold shape."""
+    state_dict = optimizer.state_dict()
+    state_dict["state"] = {k: {n: t.clone() for n, t in s.items()} for k, s in state_dict["state"].items()}
+    return state_dict
+
+
+def _state(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [optimizer.state[p][k] for p in _params(optimizer) for k in sorted(optimizer.state[p])]
+
+
+def _bitwise_equal(left: List[torch.Tensor], right: List[torch.Tensor]) -> bool:
+    return len(left) == len(right) and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(left, right)
+    )
+
+
+def test_default_adopter_recognises_real_fused_adam() -> None:
+    optimizer = _fused_adam()
+    context = make_context(optimizer, _payload(_trained()))
+    assert TEFusedAdamFP32StateAdopter().decline_reason(context) is None
+
+
+def test_adoption_installs_by_reference_without_allocating() -> None:
+    optimizer = _fused_adam()
+    payload = _payload(_trained())
+    incoming = [payload["state"][i][k] for i in sorted(payload["state"]) for k in ("exp_avg", "exp_avg_sq")]
+    torch.cuda.synchronize()
+    allocations_before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    allocated_before = torch.cuda.memory_allocated()
+    avoided = TEFusedAdamFP32StateAdopter().adopt(make_context(optimizer, payload))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations_before
+    assert torch.cuda.memory_allocated() == allocated_before
+    assert [t.data_ptr() for t in _state(optimizer)] == [t.data_ptr() for t in incoming]
+    assert avoided == 8 * sum(p.numel() for p in _params(optimizer))
+
+
+def test_te_own_loader_allocates_a_second_copy() -> None:
+    """The problem being solved: TE's loader allocates every moment again."""
+    optimizer = _fused_adam()
+    payload = _payload(_trained())
+    torch.cuda.synchronize()
+    allocated_before = torch.cuda.memory_allocated()
+    optimizer.load_state_dict(payload)
+    torch.cuda.synchronize()
+    moment_bytes = 8 * sum(p.numel() for p in _params(optimizer))
+    assert torch.cuda.memory_allocated() - allocated_before >= moment_bytes
+
+
+def test_adopted_state_and_next_step_equal_te_loader() -> None:
+    trained = _trained()
+    adopted, by_te = _fused_adam(), _fused_adam()
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(TEFusedAdamFP32StateAdopter())
+    load_inner_optimizer_state_dict(Owner(adopted), _payload(trained), registry)
+    by_te.load_state_dict(_payload(trained))
+    assert _bitwise_equal(_state(adopted), _state(by_te))
+    assert [g["step"] for g in adopted.param_groups] == [g["step"] for g in by_te.param_groups]
+    _step(adopted, 7)
+    _step(by_te, 7)
+    assert _bitwise_equal(_params(adopted), _params(by_te))
+    assert _bitwise_equal(_state(adopted), _state(by_te))
+
+
+FALLBACK_MODES = {
+    "master weights, BF16 moments": dict(
+        dtype=torch.bfloat16, master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16
+    ),
+    "master weights, FP16 moments": dict(
+        dtype=torch.bfloat16, master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16
+    ),
+    "param remainders": dict(
+        dtype=torch.bfloat16,
+        master_weights=True,
+        store_param_remainders=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+    ),
+    "FP32 params, BF16 moments": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    "FP32 master weights over FP32 params": dict(master_weights=True),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(FALLBACK_MODES))
+def test_fallback_modes_keep_te_loader_and_its_result(mode: str, caplog) -> None:
+    kwargs = FALLBACK_MODES[mode]
+    trained = _trained(**kwargs)
+    ours, upstream = _fused_adam(**kwargs), _fused_adam(**kwargs)
+    assert TEFusedAdamFP32StateAdopter().decline_reason(make_context(ours, _payload(trained))) is not None
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(TEFusedAdamFP32StateAdopter())
+    with caplog.at_level(logging.INFO, logger="megatron.core.optimizer.state_adoption"):
+        load_inner_optimizer_state_dict(Owner(ours), _payload(trained), registry)
+    assert "FusedAdam.load_state_dict loads it" in caplog.text
+    upstream.load_state_dict(_payload(trained))
+    assert _bitwise_equal(_state(ours), _state(upstream))
+    _step(ours, 3)
+    _step(upstream, 3)
+    assert _bitwise_equal(_params(ours), _params(upstream))
+    assert _bitwise_equal(_state(ours), _state(upstream))
