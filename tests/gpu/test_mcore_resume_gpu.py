@@ -19,8 +19,10 @@ from gpu_requirements import gpu_only
 pytestmark = gpu_only
 
 ADOPTION_LOGGER = "megatron.core.optimizer.state_adoption"
+# Formats megatron-core 0.19.2 offers but cannot save (observed on the H200, see
+# docs/gpu-report.md); the test asserts the failure so a fixed release is noticed.
 UNSUPPORTED_FORMATS = {
-    # Filled in from the H200 run; see docs/gpu-report.md.
+    "fully_sharded_model_space": "ShardedTensor.flattened_range is not supported",
 }
 
 
@@ -70,9 +72,12 @@ def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path:
     from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, distributed_optimizers
     from benchmarks.resume_benchmark.training import train_step
 
-    if case_name in UNSUPPORTED_FORMATS:
-        pytest.skip(UNSUPPORTED_FORMATS[case_name])
     case = make_case(case_name, PRESETS["tiny"])
+    if case_name in UNSUPPORTED_FORMATS:
+        with pytest.raises(Exception, match=UNSUPPORTED_FORMATS[case_name]):
+            _train_save_control(case, tmp_path / "checkpoint")
+        _free_cuda()
+        return
     control = _train_save_control(case, tmp_path / "checkpoint")
 
     model_chunks, optimizer = build_gpt_and_optimizer(case)

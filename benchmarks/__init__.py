@@ -1,0 +1,1 @@
+"""Benchmarks for the ``megatron-core`` state-adoption build (GPU only)."""

@@ -1,0 +1,20 @@
+"""Checkpoint-resume memory benchmark: upstream megatron-core 0.19.2 vs. ``+stateadoption``.
+
+Run it from the repository root with ``python -m benchmarks.resume_benchmark --help``.
+
+Layout (one concern per module):
+
+* :mod:`.cli` / :mod:`.__main__` -- command line and exit codes.
+* :mod:`.preflight` -- cheap checks (CUDA, Transformer Engine) before any heavy work.
+* :mod:`.sides` -- where each side's ``megatron-core`` comes from (directory, wheel, download).
+* :mod:`.driver` -- runs every phase of every case in a fresh worker process.
+* :mod:`.worker` -- one phase (probe, train+save+control, resume) in one process.
+* :mod:`.cases` -- model sizes, presets and the measured cases (no torch import).
+* :mod:`.runtime` -- single-rank ``torch.distributed``/Megatron initialisation and determinism.
+* :mod:`.model` -- :func:`~.model.build_gpt_and_optimizer`.
+* :mod:`.training` -- deterministic synthetic batches and one training step.
+* :mod:`.checkpoint` -- ``torch_dist`` save and the timed load, as Megatron's checkpointing does.
+* :mod:`.fingerprint` -- bitwise (SHA-256) fingerprints of model and optimizer state.
+* :mod:`.results` -- result records and their comparison (no torch import).
+* :mod:`.report` -- the Markdown table and the JSON document.
+"""

@@ -1,0 +1,6 @@
+"""Entry point for ``python -m benchmarks.resume_benchmark``."""
+
+from benchmarks.resume_benchmark.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

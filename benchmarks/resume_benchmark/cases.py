@@ -1,0 +1,153 @@
+"""Benchmark cases: model sizes, presets and the optimizer modes that are measured.
+
+This module imports neither torch nor Megatron, so the driver can use it on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+#: Optimizer sharding formats Megatron-Core 0.19.2's DistributedOptimizer offers for ``torch_dist``.
+SHARDING_FORMATS: Final[tuple[str, ...]] = (
+    "dp_reshardable",
+    "fully_reshardable",
+    "fully_sharded_model_space",
+    "dp_zero_gather_scatter",
+)
+
+#: A GPT with MoE layers: a ChainedOptimizer of a dense and an expert DistributedOptimizer.
+MOE_CASE: Final = "moe"
+
+#: Precision-aware optimizer (BF16 moments, TE master weights): must fall back to TE's loader.
+PRECISION_AWARE_CASE: Final = "precision_aware_bf16"
+
+#: Every case, in the order they run by default.
+CASE_NAMES: Final[tuple[str, ...]] = (*SHARDING_FORMATS, MOE_CASE, PRECISION_AWARE_CASE)
+
+#: One FP32 ``exp_avg`` plus one FP32 ``exp_avg_sq`` element: what the build avoids per parameter.
+FP32_MOMENT_PAIR_BYTES: Final = 8
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Shape of the GPT model and of one micro-batch."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    seq_length: int
+    micro_batch_size: int
+    vocab_size: int
+    num_experts: int
+    moe_router_topk: int
+
+    @property
+    def moe_ffn_hidden_size(self) -> int:
+        """FFN width of one expert: the dense FFN split across experts (same parameter count)."""
+        return max(self.ffn_hidden_size // self.num_experts, 16)
+
+    def approx_parameter_count(self, moe: bool) -> int:
+        """Rough parameter count (weights and biases, untied embeddings, learned positions)."""
+        h = self.hidden_size
+        attention = 4 * h * h + 4 * h
+        if moe:
+            f = self.moe_ffn_hidden_size
+            mlp = self.num_experts * (2 * h * f + f + h) + h * self.num_experts
+        else:
+            f = self.ffn_hidden_size
+            mlp = 2 * h * f + f + h
+        layer = attention + mlp + 4 * h
+        embeddings = self.vocab_size * h + self.seq_length * h
+        return self.num_layers * layer + embeddings + self.vocab_size * h + 2 * h
+
+
+#: Named size presets. ``default`` is a ~1.1 B-parameter GPT (training peak ~20 GB on an H200).
+PRESETS: Final[Mapping[str, ModelSize]] = {
+    "default": ModelSize(
+        hidden_size=2048,
+        num_layers=18,
+        num_attention_heads=16,
+        ffn_hidden_size=8192,
+        seq_length=1024,
+        micro_batch_size=2,
+        vocab_size=50304,
+        num_experts=8,
+        moe_router_topk=2,
+    ),
+    "tiny": ModelSize(
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=512,
+        seq_length=64,
+        micro_batch_size=2,
+        vocab_size=1024,
+        num_experts=4,
+        moe_router_topk=2,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class BenchmarkCase:
+    """One measured configuration: model size, optimizer mode and checkpoint sharding format."""
+
+    name: str
+    sharding_format: str
+    size: ModelSize
+    moe: bool = False
+    precision_aware: bool = False
+    train_steps: int = 2
+    seed: int = 1234
+    moe_fold_experts: bool = False
+
+    @property
+    def expected_saving_bytes_per_param(self) -> int:
+        """Bytes per optimizer parameter the build should avoid versus upstream at load time."""
+        return 0 if self.precision_aware else FP32_MOMENT_PAIR_BYTES
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable form, read back by :meth:`from_json`."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BenchmarkCase:
+        """Inverse of :meth:`to_json`."""
+        fields = dict(data)
+        fields["size"] = ModelSize(**fields["size"])
+        return cls(**fields)
+
+
+def make_case(
+    name: str,
+    size: ModelSize,
+    train_steps: int = 2,
+    seed: int = 1234,
+    moe_fold_experts: bool = False,
+) -> BenchmarkCase:
+    """Build the :class:`BenchmarkCase` called ``name`` (one of :data:`CASE_NAMES`).
+
+    ``moe_fold_experts`` (moe case only) keeps experts in the dense DistributedOptimizer, as
+    Megatron-Core does by default on one rank, instead of a separate expert optimizer.
+    """
+    if name in SHARDING_FORMATS:
+        return BenchmarkCase(name, name, size, train_steps=train_steps, seed=seed)
+    if name == MOE_CASE:
+        return BenchmarkCase(
+            name,
+            "dp_reshardable",
+            size,
+            moe=True,
+            train_steps=train_steps,
+            seed=seed,
+            moe_fold_experts=moe_fold_experts,
+        )
+    if name == PRECISION_AWARE_CASE:
+        return BenchmarkCase(
+            name, "dp_reshardable", size, precision_aware=True, train_steps=train_steps, seed=seed
+        )
+    raise ValueError(f"unknown case {name!r}; expected one of {', '.join(CASE_NAMES)}")

@@ -1,0 +1,340 @@
+"""Command line of the resume benchmark (``python -m benchmarks.resume_benchmark``).
+
+For every case it trains a Megatron-Core GPT a few steps, saves a ``torch_dist`` checkpoint
+and resumes it twice in fresh processes -- with upstream megatron-core 0.19.2 and with this
+project's ``0.19.2+stateadoption`` build -- and reports the load peaks, the bytes the build
+avoids (expected: 8 B x optimizer parameters on the rank), training peaks, load times and
+whether the restored state and the next step are bitwise identical to the uninterrupted run.
+
+Exit status: 0 all measurements ran; 1 a phase crashed; 2 this machine cannot run the
+benchmark (no CUDA GPU or no Transformer Engine); 3 the sides are wrong (the build is not the
+``+stateadoption`` build, upstream is not 0.19.2, or both are the same); 4 with ``--check``,
+a case missed its expectation (saving or bitwise equality).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.resume_benchmark.cases import CASE_NAMES, PRESETS, ModelSize, make_case
+from benchmarks.resume_benchmark.driver import Workspace, run_case, run_worker
+from benchmarks.resume_benchmark.preflight import (
+    EXIT_CANNOT_RUN,
+    cannot_run_message,
+    check_cuda,
+    check_transformer_engine,
+)
+from benchmarks.resume_benchmark.report import json_report, markdown_report
+from benchmarks.resume_benchmark.results import eprint, one_line, progress
+from benchmarks.resume_benchmark.sides import (
+    UPSTREAM_VERSION,
+    Side,
+    SideError,
+    default_cache_dir,
+    is_stateadoption_version,
+    resolve_build,
+    resolve_upstream,
+)
+from benchmarks.resume_benchmark.summary import case_meets_expectations
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_WRONG_SIDES = 3
+EXIT_EXPECTATION_MISSED = 4
+
+_SIZE_FLAGS = (
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "micro_batch_size",
+    "vocab_size",
+    "num_experts",
+    "moe_router_topk",
+)
+
+
+def _parse_cases(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(CASE_NAMES)
+    unknown = [n for n in names if n not in CASE_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown case(s) {', '.join(unknown) or '(none)'}; "
+            f"choose from all, {', '.join(CASE_NAMES)}"
+        )
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (documented in ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.resume_benchmark",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--cases",
+        type=_parse_cases,
+        default=list(CASE_NAMES),
+        help=f"comma-separated cases or 'all' (default): {', '.join(CASE_NAMES)}",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="model size preset (default: ~1.1 B parameters; 'tiny' for smoke tests)",
+    )
+    sizes = parser.add_argument_group("model size (override the preset)")
+    sizes.add_argument("--hidden-size", type=int)
+    sizes.add_argument("--num-layers", type=int)
+    sizes.add_argument("--num-attention-heads", type=int)
+    sizes.add_argument(
+        "--ffn-hidden-size", type=int, help="default: 4 x hidden size when --hidden-size is given"
+    )
+    sizes.add_argument("--seq-length", type=int)
+    sizes.add_argument("--micro-batch-size", type=int)
+    sizes.add_argument("--vocab-size", type=int)
+    sizes.add_argument("--num-experts", type=int, help="experts per MoE layer (moe case)")
+    sizes.add_argument("--moe-router-topk", type=int)
+    parser.add_argument(
+        "--moe-fold-experts",
+        action="store_true",
+        help="moe case: keep experts in the dense DistributedOptimizer (Megatron's "
+        "one-rank default) instead of a ChainedOptimizer of dense + expert",
+    )
+    parser.add_argument(
+        "--train-steps", type=int, default=2, help="steps before the save (default 2)"
+    )
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--upstream",
+        type=Path,
+        help="upstream megatron-core 0.19.2: a directory for PYTHONPATH or a .whl "
+        "(installed with pip --no-deps --target); default: pip download it",
+    )
+    parser.add_argument(
+        "--build",
+        type=Path,
+        help="this build: a directory for PYTHONPATH or a .whl; default: the current "
+        "environment's megatron-core (must be the +stateadoption build)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help=f"downloads and installed wheels (default {default_cache_dir()})",
+    )
+    parser.add_argument(
+        "--checkpoint-root",
+        type=Path,
+        help="where checkpoints go (default /dev/shm when it has room, else the temp dir)",
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, help="worker logs and raw results (default: a new temp dir)"
+    )
+    parser.add_argument("--json-out", type=Path, help="also write the JSON document here")
+    parser.add_argument("--markdown-out", type=Path, help="also write the Markdown report here")
+    parser.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds before a worker process is killed (default 1800)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 4 unless every measured case shows the expected saving and "
+        "bitwise-identical restored state and next step",
+    )
+    # Development only: lets the benchmark's mechanics be tested before the build exists.
+    parser.add_argument(
+        "--allow-non-stateadoption-build", action="store_true", help=argparse.SUPPRESS
+    )
+    return parser
+
+
+def model_size(args: argparse.Namespace) -> ModelSize:
+    """The preset with any size flags applied."""
+    size = PRESETS[args.preset]
+    overrides = {k: getattr(args, k) for k in _SIZE_FLAGS if getattr(args, k) is not None}
+    if "hidden_size" in overrides and "ffn_hidden_size" not in overrides:
+        overrides["ffn_hidden_size"] = 4 * overrides["hidden_size"]
+    size = dataclasses.replace(size, **overrides)
+    if size.hidden_size % size.num_attention_heads:
+        raise SystemExit(
+            f"--hidden-size {size.hidden_size} is not divisible by {size.num_attention_heads} heads"
+        )
+    return size
+
+
+def _probe(workspace: Workspace, side: Side) -> dict[str, Any]:
+    outcome = run_worker(workspace, side, "probe", f"probe-{side.label}", None, 600.0)
+    if outcome.result is None:
+        raise SideError(f"probe of the {side.label} side failed; see {outcome.log}")
+    return outcome.result
+
+
+def _verify_sides(probes: dict[str, dict[str, Any]], dev_mode: bool) -> str | None:
+    """``None`` if upstream is 0.19.2 and the build is a different, +stateadoption megatron-core."""
+    up, build = probes["upstream"]["megatron_core"], probes["build"]["megatron_core"]
+    for label, info in (("upstream", up), ("build", build)):
+        if info.get("error"):
+            return f"the {label} side cannot import megatron.core ({info['error']})"
+    if up["version"] != UPSTREAM_VERSION or up["has_state_adoption"]:
+        return (
+            f"the upstream side must be plain megatron-core {UPSTREAM_VERSION}; it is "
+            f"{up['version']} at {up['file']} (state_adoption present: {up['has_state_adoption']})"
+        )
+    if dev_mode:
+        return None
+    if not (is_stateadoption_version(build["version"]) and build["has_state_adoption"]):
+        return (
+            f"the build side is megatron-core {build['version']} at {build['file']}, not the "
+            f"{UPSTREAM_VERSION}+stateadoption build (state_adoption present: "
+            f"{build['has_state_adoption']}); pass --build DIR|WHEEL or install the build"
+        )
+    if up["file"] == build["file"]:
+        return f"both sides import the same megatron.core ({up['file']})"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; see the module docstring for exit statuses."""
+    args = build_parser().parse_args(argv)
+    size = model_size(args)
+    missing = check_cuda()
+    if missing is not None:
+        eprint(cannot_run_message(missing))
+        return EXIT_CANNOT_RUN
+    cache_dir = args.cache_dir or default_cache_dir()
+    workspace = Workspace(args.work_dir or Path(tempfile.mkdtemp(prefix="resume-benchmark-")))
+    progress(f"workspace (logs, raw results): {workspace.root}")
+    dev_mode = bool(args.allow_non_stateadoption_build)
+    try:
+        sides: dict[str, Side] = {"build": resolve_build(args.build, cache_dir)}
+        probes = {"build": _probe(workspace, sides["build"])}
+        missing = check_transformer_engine(probes["build"])
+        if missing is not None:
+            eprint(cannot_run_message(missing))
+            return EXIT_CANNOT_RUN
+        build_info = probes["build"]["megatron_core"]
+        if not dev_mode and not is_stateadoption_version(build_info.get("version")):
+            eprint(
+                f"resume_benchmark: refusing to run: the build side's megatron-core is "
+                f"{build_info.get('version')} at {build_info.get('file')}, not the "
+                f"{UPSTREAM_VERSION}+stateadoption build; "
+                "pass --build DIR|WHEEL or install the build."
+            )
+            return EXIT_WRONG_SIDES
+        sides["upstream"] = resolve_upstream(args.upstream, cache_dir)
+        probes["upstream"] = _probe(workspace, sides["upstream"])
+    except SideError as exc:
+        eprint(f"resume_benchmark: {exc}")
+        return EXIT_CRASH
+    problem = _verify_sides(probes, dev_mode)
+    if problem is not None:
+        eprint(f"resume_benchmark: refusing to run: {problem}")
+        return EXIT_WRONG_SIDES
+    if dev_mode and not is_stateadoption_version(probes["build"]["megatron_core"]["version"]):
+        banner = "!" * 100
+        eprint(
+            f"{banner}\nWARNING: development mode: the build side is megatron-core "
+            f"{probes['build']['megatron_core']['version']} (not +stateadoption). The numbers "
+            f"below test the benchmark's mechanics only.\n{banner}"
+        )
+    for label in ("upstream", "build"):
+        info = probes[label]["megatron_core"]
+        progress(
+            f"{label}: megatron-core {info['version']} from {info['file']} ({sides[label].source})"
+        )
+
+    started = time.perf_counter()
+    entries = []
+    for name in args.cases:
+        case = make_case(
+            name,
+            size,
+            train_steps=args.train_steps,
+            seed=args.seed,
+            moe_fold_experts=args.moe_fold_experts,
+        )
+        try:
+            entries.append(
+                run_case(
+                    workspace,
+                    case,
+                    sides,
+                    {label: probes[label]["megatron_core"]["file"] for label in sides},
+                    args.checkpoint_root,
+                    args.worker_timeout,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - one broken case must not hide the others
+            progress(f"{name}: driver error: {one_line(exc)}")
+            entries.append({"case": name, "status": "error", "detail": f"driver: {one_line(exc)}"})
+        progress(
+            f"{name}: {entries[-1]['status']}"
+            + (f" ({entries[-1]['detail']})" if entries[-1].get("detail") else "")
+        )
+
+    build_probe = probes["build"]
+    document = {
+        "environment": {
+            "gpu_name": build_probe.get("gpu_name"),
+            "driver": build_probe.get("driver"),
+            "torch": build_probe.get("torch"),
+            "torch_cuda": build_probe.get("torch_cuda"),
+            "transformer_engine": (build_probe.get("transformer_engine") or {}).get("version"),
+            "python": build_probe.get("python"),
+        },
+        "sides": {
+            label: {
+                **sides[label].to_json(),
+                **probes[label]["megatron_core"],
+                "transformer_engine": (probes[label].get("transformer_engine") or {}).get(
+                    "version"
+                ),
+            }
+            for label in ("upstream", "build")
+        },
+        "settings": {
+            "preset": args.preset,
+            "size": dataclasses.asdict(size),
+            "train_steps": args.train_steps,
+            "seed": args.seed,
+            "moe_fold_experts": args.moe_fold_experts,
+            "cases": args.cases,
+            "dev_mode_build_is_not_stateadoption": dev_mode
+            and not is_stateadoption_version(probes["build"]["megatron_core"]["version"]),
+            "workspace": str(workspace.root),
+            "cases_wall_seconds": time.perf_counter() - started,
+        },
+        "cases": entries,
+    }
+    markdown = markdown_report(document)
+    text = json_report(document)
+    print(text, flush=True)
+    print(markdown, flush=True)
+    if args.markdown_out:
+        args.markdown_out.write_text(markdown)
+    if args.json_out:
+        args.json_out.write_text(text)
+    if any(e["status"] == "error" for e in entries):
+        return EXIT_CRASH
+    if args.check and not all(case_meets_expectations(e) for e in entries):
+        return EXIT_EXPECTATION_MISSED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

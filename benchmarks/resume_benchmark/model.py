@@ -1,0 +1,200 @@
+"""Build the benchmark's Megatron-Core GPT model and its distributed optimizer.
+
+The model is a real Megatron-Core ``GPTModel`` with the local (non-TE) layer spec, BF16
+parameters (``Float16Module``), wrapped in ``DistributedDataParallel`` with
+``use_distributed_optimizer=True``. The optimizer comes from ``get_megatron_optimizer``; with
+Transformer Engine installed its inner optimizer is TE's ``FusedAdam``.
+
+GPU tests may use :func:`build_gpt_and_optimizer` directly; it initialises a one-rank NCCL world
+and Megatron's parallel state on first use (see :mod:`.runtime`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from benchmarks.resume_benchmark.cases import BenchmarkCase
+from benchmarks.resume_benchmark.runtime import initialize_single_rank, seed_everything
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+
+#: Optimizer hyper-parameters shared by every case (constant LR, no scheduler).
+LEARNING_RATE = 1.0e-4
+WEIGHT_DECAY = 0.1
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1.0e-8
+CLIP_GRAD = 1.0
+
+
+def transformer_config(case: BenchmarkCase) -> TransformerConfig:
+    """The GPT's ``TransformerConfig``: BF16, dropout 0, deterministic, optional MoE."""
+    size = case.size
+    moe_kwargs: dict[str, object] = {}
+    if case.moe:
+        moe_kwargs = {
+            "num_moe_experts": size.num_experts,
+            "moe_ffn_hidden_size": size.moe_ffn_hidden_size,
+            "moe_router_topk": size.moe_router_topk,
+            "moe_token_dispatcher_type": "allgather",
+            "moe_grouped_gemm": False,
+            "moe_aux_loss_coeff": 0.0,
+            # Megatron-Core 0.19.2's local-spec SequentialMLP experts with biases fail in
+            # backward (mlp.py adds the expert bias in place to a custom-Function view), so
+            # the MoE model has no linear biases.
+            "add_bias_linear": False,
+        }
+    return TransformerConfig(
+        num_layers=size.num_layers,
+        hidden_size=size.hidden_size,
+        num_attention_heads=size.num_attention_heads,
+        ffn_hidden_size=size.ffn_hidden_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        init_method_std=0.02,
+        deterministic_mode=True,
+        use_cpu_initialization=False,
+        perform_initialization=True,
+        **moe_kwargs,  # type: ignore[arg-type,unused-ignore]
+    )
+
+
+def ddp_config(case: BenchmarkCase) -> DistributedDataParallelConfig:
+    """Distributed-data-parallel config: distributed optimizer, no overlap, BF16 grad buffers."""
+    del case  # every case uses the same DDP settings
+    return DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        grad_reduce_in_fp32=False,
+    )
+
+
+def optimizer_config(case: BenchmarkCase) -> OptimizerConfig:
+    """Adam on a BF16 model with the distributed optimizer; precision-aware for that case."""
+    precision_kwargs: dict[str, object] = {}
+    if case.precision_aware:
+        precision_kwargs = {
+            "use_precision_aware_optimizer": True,
+            "exp_avg_dtype": torch.bfloat16,
+            "exp_avg_sq_dtype": torch.bfloat16,
+            "main_params_dtype": torch.float32,
+            "main_grads_dtype": torch.float32,
+            "store_param_remainders": True,
+        }
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=LEARNING_RATE,
+        weight_decay=WEIGHT_DECAY,
+        adam_beta1=ADAM_BETAS[0],
+        adam_beta2=ADAM_BETAS[1],
+        adam_eps=ADAM_EPS,
+        clip_grad=CLIP_GRAD,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        **precision_kwargs,  # type: ignore[arg-type,unused-ignore]
+    )
+
+
+def tag_expert_parameters(model: torch.nn.Module) -> int:
+    """Mark every MoE expert parameter as expert-parallel (``allreduce = False``); return the count.
+
+    Megatron-Core sets this tag itself only when experts are sharded (expert-model-parallel
+    size > 1, or an expert TP size other than TP). On one rank that never holds, so experts
+    would fold into the dense buffers and the dense DistributedOptimizer. With the tag --
+    exactly what an expert-parallel run carries, with expert-data-parallel groups of size 1 --
+    ``DistributedDataParallel`` puts experts in its expert-parallel buffers and
+    ``get_megatron_optimizer`` returns a ChainedOptimizer of a dense and an expert
+    DistributedOptimizer, the structure the ``moe`` case measures. Call before wrapping in DDP.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer) and module.experts is not None:
+            for param in module.experts.parameters():
+                setattr(param, "allreduce", False)  # noqa: B010 - a dynamic tag Megatron reads
+                count += 1
+    return count
+
+
+def build_gpt_and_optimizer(
+    case: BenchmarkCase,
+) -> tuple[list[DistributedDataParallel], MegatronOptimizer]:
+    """Build the case's GPT model chunks (one, DDP-wrapped) and its Megatron optimizer.
+
+    Initialises a one-rank NCCL world and Megatron's parallel state if needed, then re-seeds
+    every RNG with ``case.seed`` so that each process builds bit-identical initial weights.
+    For ``case.moe`` the optimizer is a ``ChainedOptimizer`` of a dense and an expert
+    ``DistributedOptimizer`` (see :func:`tag_expert_parameters`; ``case.moe_fold_experts``
+    keeps Megatron's one-rank default of a single DistributedOptimizer instead).
+    """
+    initialize_single_rank(case.seed)
+    seed_everything(case.seed)
+    config = transformer_config(case)
+    spec = get_gpt_layer_local_spec(
+        num_experts=case.size.num_experts if case.moe else None, moe_grouped_gemm=False
+    )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=case.size.vocab_size,
+        max_sequence_length=case.size.seq_length,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+    gpt.cuda(torch.cuda.current_device())
+    if case.moe and not case.moe_fold_experts and tag_expert_parameters(gpt) == 0:
+        raise RuntimeError("the MoE model has no expert parameters to tag")
+    wrapped = Float16Module(config, gpt)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(case), module=wrapped)
+    ddp.broadcast_params()
+    model_chunks = [ddp]
+    optimizer = get_megatron_optimizer(optimizer_config(case), model_chunks)
+    return model_chunks, optimizer
+
+
+def distributed_optimizers(optimizer: MegatronOptimizer) -> Iterator[DistributedOptimizer]:
+    """Yield every ``DistributedOptimizer`` inside ``optimizer``, in chain order."""
+    if isinstance(optimizer, ChainedOptimizer):
+        for inner in optimizer.chained_optimizers:
+            yield from distributed_optimizers(inner)
+    elif isinstance(optimizer, DistributedOptimizer):
+        yield optimizer
+    else:
+        raise TypeError(f"expected a (Chained)DistributedOptimizer, got {type(optimizer).__name__}")
+
+
+def optimizer_parameter_count(optimizer: MegatronOptimizer) -> int:
+    """Elements of every inner-optimizer parameter on this rank (the FP32 main-param shards)."""
+    return sum(
+        int(param.numel())
+        for dist_opt in distributed_optimizers(optimizer)
+        for group in dist_opt.optimizer.param_groups
+        for param in group["params"]
+    )
+
+
+def model_parameter_count(model_chunks: list[DistributedDataParallel]) -> int:
+    """Total elements of the model's parameters (the model size)."""
+    return sum(int(p.numel()) for chunk in model_chunks for p in chunk.parameters())
+
+
+def inner_optimizer_class_names(optimizer: MegatronOptimizer) -> list[str]:
+    """Qualified class names of the inner optimizers (expect TE's ``FusedAdam``)."""
+    return [
+        f"{type(d.optimizer).__module__}.{type(d.optimizer).__qualname__}"
+        for d in distributed_optimizers(optimizer)
+    ]

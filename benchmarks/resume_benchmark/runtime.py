@@ -1,0 +1,78 @@
+"""Single-rank process setup: determinism, ``torch.distributed`` (NCCL), Megatron parallel state."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from typing import Final
+
+#: Environment every benchmark process needs before CUDA (cuBLAS) and TE are initialised.
+DETERMINISM_ENV: Final[dict[str, str]] = {
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+}
+
+
+def apply_determinism_env() -> None:
+    """Set :data:`DETERMINISM_ENV` in this process (call before importing torch's CUDA state)."""
+    for key, value in DETERMINISM_ENV.items():
+        os.environ[key] = value
+
+
+def _free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, torch (CPU and CUDA) and Megatron's tensor-parallel CUDA RNG tracker."""
+    import torch
+
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_single_rank(seed: int) -> None:
+    """Initialise a one-rank NCCL world and Megatron's model-parallel state (idempotent).
+
+    Also turns on deterministic algorithms so an uninterrupted run and a resumed run produce
+    bitwise-identical steps. Requires CUDA.
+    """
+    apply_determinism_env()
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.cuda.set_device(0)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl",
+            init_method=f"tcp://127.0.0.1:{_free_tcp_port()}",
+            world_size=1,
+            rank=0,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    seed_everything(seed)
+
+
+def shutdown() -> None:
+    """Tear down Megatron's parallel state and the process group, if they exist."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,160 @@
+"""Where each side's ``megatron-core`` comes from, and the environment its workers run in.
+
+A *side* is one ``megatron-core`` to measure: ``upstream`` (megatron-core 0.19.2 from PyPI) or
+``build`` (this project's ``0.19.2+stateadoption`` build). A side is a directory put first on
+``PYTHONPATH`` (a ``pip install --target`` site), a wheel installed into such a directory, or
+-- for the build only -- the current environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.resume_benchmark.results import progress
+
+#: The upstream release the build is compared with.
+UPSTREAM_VERSION = "0.19.2"
+UPSTREAM_REQUIREMENT = f"megatron-core=={UPSTREAM_VERSION}"
+#: Local-version marker of this project's build.
+BUILD_LOCAL_VERSION = "stateadoption"
+
+_INSTALLED_MARKER = ".resume-benchmark-installed"
+
+
+class SideError(RuntimeError):
+    """A side cannot be prepared (bad path, failed download or install)."""
+
+
+@dataclass(frozen=True)
+class Side:
+    """One ``megatron-core`` to run workers with."""
+
+    label: str
+    pythonpath: Path | None
+    source: str
+
+    def to_json(self) -> dict[str, str | None]:
+        """JSON form for the report."""
+        return {
+            "label": self.label,
+            "pythonpath": None if self.pythonpath is None else str(self.pythonpath),
+            "source": self.source,
+        }
+
+
+def default_cache_dir() -> Path:
+    """Where downloaded and installed wheels are kept between runs."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "megatron-resume-benchmark"
+
+
+def _pip(args: list[str]) -> None:
+    command = [sys.executable, "-m", "pip", *args]
+    progress(f"running: {' '.join(command)}")
+    completed = subprocess.run(command, capture_output=True, text=True, check=False)
+    if completed.returncode != 0:
+        tail = (completed.stdout + completed.stderr).strip().splitlines()[-15:]
+        raise SideError(
+            f"pip failed ({completed.returncode}): {' '.join(command)}\n" + "\n".join(tail)
+        )
+
+
+def install_wheel(wheel: Path, cache_dir: Path) -> Path:
+    """Install ``wheel`` (no dependencies) into a cached ``--target`` directory; return it."""
+    if not wheel.is_file():
+        raise SideError(f"wheel not found: {wheel}")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()[:16]
+    target = cache_dir / f"site-{wheel.stem}-{digest}"
+    if (target / _INSTALLED_MARKER).is_file():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    _pip(["install", "--quiet", "--no-deps", "--upgrade", "--target", str(target), str(wheel)])
+    (target / _INSTALLED_MARKER).write_text(f"{wheel}\n")
+    return target
+
+
+def download_upstream_wheel(cache_dir: Path) -> Path:
+    """``pip download`` the upstream ``megatron-core`` wheel (index: pip's own configuration)."""
+    dest = cache_dir / "downloads"
+    pattern = f"megatron_core-{UPSTREAM_VERSION}-*.whl"
+    existing = sorted(dest.glob(pattern))
+    if not existing:
+        dest.mkdir(parents=True, exist_ok=True)
+        _pip(
+            [
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--dest",
+                str(dest),
+                UPSTREAM_REQUIREMENT,
+            ]
+        )
+        existing = sorted(dest.glob(pattern))
+    if not existing:
+        raise SideError(f"pip download produced no wheel matching {pattern} in {dest}")
+    return existing[-1]
+
+
+def _side_from_path(label: str, path: Path, cache_dir: Path) -> Side:
+    path = path.expanduser().resolve()
+    if path.is_dir():
+        return Side(label, path, f"directory {path}")
+    if path.suffix == ".whl":
+        target = install_wheel(path, cache_dir)
+        return Side(label, target, f"wheel {path.name} installed into {target}")
+    raise SideError(f"{label}: {path} is neither a directory nor a .whl file")
+
+
+def resolve_upstream(arg: Path | None, cache_dir: Path) -> Side:
+    """The upstream side: ``arg`` (directory or wheel), else a downloaded 0.19.2 wheel."""
+    if arg is not None:
+        return _side_from_path("upstream", arg, cache_dir)
+    wheel = download_upstream_wheel(cache_dir)
+    target = install_wheel(wheel, cache_dir)
+    return Side("upstream", target, f"downloaded {wheel.name}, installed into {target}")
+
+
+def resolve_build(arg: Path | None, cache_dir: Path) -> Side:
+    """The build side: ``arg`` (directory or wheel), else the current environment."""
+    if arg is not None:
+        return _side_from_path("build", arg, cache_dir)
+    return Side("build", None, "current environment")
+
+
+def worker_environment(side: Side, repo_root: Path) -> dict[str, str]:
+    """Environment for a worker of ``side``: its directory first on ``PYTHONPATH``.
+
+    The inherited ``PYTHONPATH`` follows (minus the repository root, whose ``megatron/`` source
+    tree must never shadow an installed ``megatron-core``).
+    """
+    from benchmarks.resume_benchmark.runtime import DETERMINISM_ENV
+
+    env = dict(os.environ)
+    inherited = [
+        entry
+        for entry in env.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and Path(entry).resolve() != repo_root.resolve()
+    ]
+    entries = ([str(side.pythonpath)] if side.pythonpath is not None else []) + inherited
+    if entries:
+        env["PYTHONPATH"] = os.pathsep.join(entries)
+    else:
+        env.pop("PYTHONPATH", None)
+    env.update(DETERMINISM_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["NO_VCS_VERSION"] = "1"  # megatron.core.package_info would otherwise run git
+    return env
+
+
+def is_stateadoption_version(version: str | None) -> bool:
+    """Whether ``version`` is this project's build (``0.19.2+stateadoption...``)."""
+    if not version or "+" not in version:
+        return False
+    public, local = version.split("+", 1)
+    return public == UPSTREAM_VERSION and local.split(".")[0] == BUILD_LOCAL_VERSION

@@ -1,0 +1,134 @@
+"""Turn the raw worker results of one case into the numbers the report shows.
+
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from benchmarks.resume_benchmark.cases import BenchmarkCase
+from benchmarks.resume_benchmark.results import compare_digests
+
+#: Sides measured on resume, in report order.
+RESUME_SIDES = ("upstream", "build")
+
+#: Tolerance for "bytes avoided equals the expectation": max(relative, absolute).
+AVOIDED_RELATIVE_TOLERANCE = 0.01
+AVOIDED_ABSOLUTE_TOLERANCE = 1 << 20
+
+
+def _resume_side(
+    control: Mapping[str, Any], result: Mapping[str, Any] | None, params: int
+) -> dict[str, Any]:
+    if result is None:
+        return {"status": "not run"}
+    if "error" in result:
+        return {"status": "error", "error": result["error"]}
+    load = result["load"]
+    over = load["peak_bytes"] - load["baseline_bytes"]
+    restored = compare_digests(control["post_save_fingerprint"], result["restored_fingerprint"])
+    after = compare_digests(control["next_step"]["fingerprint"], result["next_step"]["fingerprint"])
+    loss_equal = control["next_step"]["loss_hex"] == result["next_step"]["loss_hex"]
+    return {
+        "status": "ok",
+        "megatron_core": result["megatron_core"],
+        "params_on_rank": result["model"]["optimizer_params"],
+        "baseline_bytes": load["baseline_bytes"],
+        "load_peak_bytes": load["peak_bytes"],
+        "load_over_baseline_bytes": over,
+        "load_over_baseline_bytes_per_param": over / params if params else None,
+        "post_load_allocated_bytes": load["post_load_allocated_bytes"],
+        "load_seconds": load["seconds"],
+        "next_step_peak_bytes": result["next_step"]["peak_bytes"],
+        "next_step_loss": result["next_step"]["loss"],
+        "restored_state_equal": restored.equal,
+        "restored_state": restored.to_json(),
+        "next_step_equal": loss_equal and after.equal,
+        "next_step_loss_equal": loss_equal,
+        "next_step_state": after.to_json(),
+    }
+
+
+def summarize_case(
+    case: BenchmarkCase,
+    control: Mapping[str, Any] | None,
+    resumed: Mapping[str, Mapping[str, Any] | None],
+) -> dict[str, Any]:
+    """One case's report entry from its control and resume results."""
+    entry: dict[str, Any] = {
+        "case": case.name,
+        "sharding_format": case.sharding_format,
+        "moe": case.moe,
+        "precision_aware": case.precision_aware,
+        "expected_saving_bytes_per_param": case.expected_saving_bytes_per_param,
+    }
+    if control is None or "error" in control:
+        entry["status"] = "error"
+        entry["detail"] = "train+save+control: " + (
+            control["error"] if control else "no result (worker crashed or timed out)"
+        )
+        return entry
+    params = int(control["model"]["optimizer_params"])
+    entry.update(
+        total_params=control["model"]["total_params"],
+        params_on_rank=params,
+        inner_optimizers=control["model"]["inner_optimizers"],
+        control={
+            "megatron_core": control["megatron_core"],
+            "train_peak_bytes": control["train"]["peak_bytes"],
+            "train_losses": [s["loss"] for s in control["train"]["steps"]],
+        },
+    )
+    if not control["save"]["ok"]:
+        entry["status"] = "unsupported"
+        entry["detail"] = f"unsupported: {control['save']['error']}"
+        return entry
+    entry["control"].update(
+        save_seconds=control["save"]["seconds"],
+        checkpoint_bytes=control["save"]["checkpoint_bytes"],
+        next_step_peak_bytes=control["next_step"]["peak_bytes"],
+        next_step_loss=control["next_step"]["loss"],
+    )
+    sides = {label: _resume_side(control, resumed.get(label), params) for label in RESUME_SIDES}
+    entry["sides"] = sides
+    errors = [
+        f"{label}: {s.get('error', s['status'])}"
+        for label, s in sides.items()
+        if s["status"] != "ok"
+    ]
+    if errors:
+        entry["status"] = "error"
+        entry["detail"] = "resume failed -- " + "; ".join(errors)
+        return entry
+    expected = case.expected_saving_bytes_per_param * params
+    avoided = sides["upstream"]["load_peak_bytes"] - sides["build"]["load_peak_bytes"]
+    tolerance = max(AVOIDED_RELATIVE_TOLERANCE * expected, AVOIDED_ABSOLUTE_TOLERANCE)
+    entry.update(
+        status="ok",
+        detail=None,
+        expected_bytes_avoided=expected,
+        bytes_avoided=avoided,
+        bytes_avoided_over_baseline=(
+            sides["upstream"]["load_over_baseline_bytes"]
+            - sides["build"]["load_over_baseline_bytes"]
+        ),
+        bytes_avoided_ratio=(avoided / expected) if expected else None,
+        bytes_avoided_as_expected=abs(avoided - expected) <= tolerance,
+        all_bitwise_equal=all(
+            s["restored_state_equal"] and s["next_step_equal"] for s in sides.values()
+        ),
+    )
+    return entry
+
+
+def case_meets_expectations(entry: Mapping[str, Any]) -> bool:
+    """Whether a measured case shows the expected saving and bitwise-identical resumes."""
+    if entry.get("status") == "unsupported":
+        return True
+    return bool(
+        entry.get("status") == "ok"
+        and entry.get("bytes_avoided_as_expected")
+        and entry.get("all_bitwise_equal")
+    )

@@ -1,0 +1,348 @@
+"""One benchmark phase in one fresh process.
+
+Usage (the driver runs this; PYTHONPATH selects which ``megatron-core`` is imported)::
+
+    python -m benchmarks.resume_benchmark.worker --phase probe  --result OUT.json
+    python -m benchmarks.resume_benchmark.worker --phase train  --spec SPEC.json --result OUT.json
+    python -m benchmarks.resume_benchmark.worker --phase resume --spec SPEC.json --result OUT.json
+
+Phases:
+
+* ``probe``: report Python, torch, CUDA, GPU, driver, Transformer Engine and the imported
+  ``megatron-core`` (version, file, whether it has the state-adoption subsystem).
+* ``train`` (train+save+control): build, train ``case.train_steps`` steps (training peak), save a
+  ``torch_dist`` checkpoint, fingerprint the state, run step N+1 (the uninterrupted control).
+* ``resume``: build, load the checkpoint (timed; load peak over the pre-load baseline),
+  fingerprint the restored state, run step N+1 (training peak, loss, fingerprint).
+
+Each phase writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
+that cannot be saved is a result, not a failure), 1 when it failed (the result file then holds
+``"error"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import importlib.util
+import logging
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from benchmarks.resume_benchmark.cases import BenchmarkCase
+from benchmarks.resume_benchmark.results import one_line, progress, read_json, write_json
+from benchmarks.resume_benchmark.runtime import apply_determinism_env
+
+
+def megatron_core_info() -> dict[str, Any]:
+    """Version, file and state-adoption presence of the ``megatron.core`` this process imports."""
+    import megatron.core
+
+    core_file = Path(megatron.core.__file__ or "").resolve()
+    site_dir = core_file.parents[2]
+    version = None
+    for dist in importlib.metadata.distributions(path=[str(site_dir)]):
+        if (dist.metadata["Name"] or "").lower().replace("_", "-") == "megatron-core":
+            version = dist.version
+            break
+    if version is None:
+        version = str(getattr(megatron.core, "__version__", "unknown"))
+    has_adoption = importlib.util.find_spec("megatron.core.optimizer.state_adoption") is not None
+    return {
+        "version": version,
+        "file": str(core_file),
+        "site": str(site_dir),
+        "has_state_adoption": has_adoption,
+    }
+
+
+def _driver_version() -> str:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "unknown (nvidia-smi not found)"
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as exc:
+        return f"unknown ({one_line(exc)})"
+
+
+def probe() -> dict[str, Any]:
+    """Environment report; never raises for a missing TE/megatron-core (it records the error)."""
+    import torch  # before transformer_engine, which finds NCCL through torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpu_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "driver": _driver_version() if torch.cuda.is_available() else None,
+    }
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+
+        info["transformer_engine"] = {
+            "version": importlib.metadata.version("transformer_engine"),
+            "file": str(Path(transformer_engine.__file__ or "").resolve()),
+            "error": None,
+        }
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        info["transformer_engine"] = {"version": None, "file": None, "error": one_line(exc)}
+    try:
+        info["megatron_core"] = megatron_core_info()
+        info["megatron_core"]["error"] = None
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        info["megatron_core"] = {"version": None, "file": None, "error": one_line(exc)}
+    return info
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
+
+
+def _directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _step_json(result: Any) -> dict[str, Any]:
+    return {
+        "step": result.step,
+        "loss": result.loss,
+        "loss_hex": float(result.loss).hex(),
+        "grad_norm": result.grad_norm,
+        "update_successful": result.update_successful,
+    }
+
+
+def _build(case: BenchmarkCase, label: str) -> tuple[Any, Any, dict[str, Any]]:
+    import torch  # noqa: F401  (before transformer_engine)
+
+    from benchmarks.resume_benchmark.model import (
+        build_gpt_and_optimizer,
+        inner_optimizer_class_names,
+        model_parameter_count,
+        optimizer_parameter_count,
+    )
+
+    started = time.perf_counter()
+    model_chunks, optimizer = build_gpt_and_optimizer(case)
+    info: dict[str, Any] = {
+        "total_params": model_parameter_count(model_chunks),
+        "optimizer_params": optimizer_parameter_count(optimizer),
+        "inner_optimizers": inner_optimizer_class_names(optimizer),
+        "build_seconds": time.perf_counter() - started,
+    }
+    progress(
+        f"{case.name}/{label}: built GPT ({info['total_params']:,} params, "
+        f"{info['optimizer_params']:,} optimizer params on the rank, "
+        f"{len(info['inner_optimizers'])} DistributedOptimizer(s), inner "
+        f"{', '.join(sorted(set(info['inner_optimizers'])))})"
+    )
+    return model_chunks, optimizer, info
+
+
+def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[str, Any]:
+    """Run step N+1 with a fresh peak counter; loss, peak and fingerprint after the step."""
+    import torch
+
+    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
+    from benchmarks.resume_benchmark.training import train_step
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    result = train_step(model_chunks, optimizer, case, case.train_steps + 1)
+    peak = torch.cuda.max_memory_allocated()
+    return {
+        **_step_json(result),
+        "baseline_bytes": baseline,
+        "peak_bytes": peak,
+        "fingerprint": fingerprint_state(model_chunks, optimizer),
+    }
+
+
+def run_train(case: BenchmarkCase, checkpoint_dir: Path, label: str) -> dict[str, Any]:
+    """Train+save+control phase (see module docstring)."""
+    import torch
+
+    from benchmarks.resume_benchmark.checkpoint import save_checkpoint
+    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
+    from benchmarks.resume_benchmark.training import train_step
+
+    out: dict[str, Any] = {"phase": "train", "case": case.name, "side": label}
+    out["megatron_core"] = megatron_core_info()
+    model_chunks, optimizer, out["model"] = _build(case, label)
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    started = time.perf_counter()
+    steps = [
+        _step_json(train_step(model_chunks, optimizer, case, s))
+        for s in range(1, case.train_steps + 1)
+    ]
+    out["train"] = {
+        "steps": steps,
+        "baseline_bytes": baseline,
+        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "seconds": time.perf_counter() - started,
+    }
+    progress(
+        f"{case.name}/{label}: trained {case.train_steps} steps "
+        f"(losses {', '.join(format(s['loss'], '.6f') for s in steps)}; "
+        f"training peak {out['train']['peak_bytes'] / 2**20:,.1f} MiB)"
+    )
+
+    progress(
+        f"{case.name}/{label}: saving torch_dist checkpoint ({case.sharding_format}) "
+        f"to {checkpoint_dir}"
+    )
+    started = time.perf_counter()
+    try:
+        save_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
+    except Exception as exc:  # noqa: BLE001 - an unsupported format is a result
+        traceback.print_exc(file=sys.stdout)
+        out["save"] = {
+            "ok": False,
+            "error": one_line(exc),
+            "seconds": time.perf_counter() - started,
+        }
+        progress(f"{case.name}/{label}: save FAILED -> unsupported: {one_line(exc)}")
+        return out
+    torch.cuda.synchronize()
+    out["save"] = {
+        "ok": True,
+        "error": None,
+        "seconds": time.perf_counter() - started,
+        "checkpoint_bytes": _directory_bytes(checkpoint_dir),
+    }
+    progress(
+        f"{case.name}/{label}: saved {out['save']['checkpoint_bytes'] / 2**20:,.1f} MiB "
+        f"in {out['save']['seconds']:.2f} s; fingerprinting state"
+    )
+    out["post_save_fingerprint"] = fingerprint_state(model_chunks, optimizer)
+    out["next_step"] = _next_step(case, model_chunks, optimizer)
+    progress(
+        f"{case.name}/{label}: control step {case.train_steps + 1} loss "
+        f"{out['next_step']['loss']:.6f}, peak {out['next_step']['peak_bytes'] / 2**20:,.1f} MiB"
+    )
+    return out
+
+
+def run_resume(case: BenchmarkCase, checkpoint_dir: Path, label: str) -> dict[str, Any]:
+    """Resume phase (see module docstring)."""
+    import torch
+
+    from benchmarks.resume_benchmark.checkpoint import load_checkpoint
+    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
+
+    out: dict[str, Any] = {"phase": "resume", "case": case.name, "side": label}
+    out["megatron_core"] = megatron_core_info()
+    model_chunks, optimizer, out["model"] = _build(case, label)
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    progress(f"{case.name}/{label}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
+    started = time.perf_counter()
+    load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated()
+    gc.collect()
+    out["load"] = {
+        "baseline_bytes": baseline,
+        "peak_bytes": peak,
+        "post_load_allocated_bytes": torch.cuda.memory_allocated(),
+        "seconds": seconds,
+    }
+    progress(
+        f"{case.name}/{label}: loaded in {seconds:.2f} s; load peak {peak / 2**20:,.1f} MiB "
+        f"(+{(peak - baseline) / 2**20:,.1f} MiB = "
+        f"{(peak - baseline) / max(out['model']['optimizer_params'], 1):.2f} B/param "
+        "over baseline); "
+        "fingerprinting state"
+    )
+    out["restored_fingerprint"] = fingerprint_state(model_chunks, optimizer)
+    out["next_step"] = _next_step(case, model_chunks, optimizer)
+    progress(
+        f"{case.name}/{label}: resumed step {case.train_steps + 1} loss "
+        f"{out['next_step']['loss']:.6f}, peak {out['next_step']['peak_bytes'] / 2**20:,.1f} MiB"
+    )
+    return out
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--phase", choices=("probe", "train", "resume"), required=True)
+    parser.add_argument("--spec", type=Path, help="JSON: case, side label, checkpoint_dir")
+    parser.add_argument("--result", type=Path, required=True, help="where to write the JSON result")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one phase; see the module docstring for exit statuses."""
+    args = _parse_args(argv)
+    apply_determinism_env()
+    if args.phase == "probe":
+        write_json(args.result, probe())
+        return 0
+    if args.spec is None:
+        raise SystemExit("--spec is required for the train and resume phases")
+    spec = read_json(args.spec)
+    case = BenchmarkCase.from_json(spec["case"])
+    label = str(spec["side"])
+    checkpoint_dir = Path(spec["checkpoint_dir"])
+    _configure_logging()
+    status = 0
+    try:
+        if args.phase == "train":
+            out = run_train(case, checkpoint_dir, label)
+        else:
+            out = run_resume(case, checkpoint_dir, label)
+    except Exception as exc:  # noqa: BLE001 - recorded for the driver, reported by status 1
+        traceback.print_exc(file=sys.stdout)
+        out = {"phase": args.phase, "case": case.name, "side": label, "error": one_line(exc)}
+        status = 1
+    write_json(args.result, out)
+    _shutdown_quietly()
+    return status
+
+
+def _shutdown_quietly() -> None:
+    try:
+        from benchmarks.resume_benchmark.runtime import shutdown
+
+        shutdown()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
