@@ -122,7 +122,7 @@ def tag_expert_parameters(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, MoELayer) and module.experts is not None:
             for param in module.experts.parameters():
-                setattr(param, "allreduce", False)  # noqa: B010 - a dynamic tag Megatron reads
+                param.allreduce = False  # the data tag MCore's own MoE layers set; read by DDP
                 count += 1
     return count
 
