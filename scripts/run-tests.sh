@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything from scratch into a fresh Python >= 3.12 venv and runs the checks:
-#   mypy --strict on the subsystem and the build tools,
+#   mypy --strict on the subsystem and the build tools, the Sphinx docs with -W,
 #   a negative control (the routing tests must FAIL against unpatched upstream 0.19.2),
 #   the test suite (GPU tests are reported as skipped, with the reason, without CUDA + TE).
 # Usage: bash scripts/run-tests.sh [extra pytest args]    (VENV=dir to choose the venv)
@@ -17,12 +17,15 @@ echo "== venv $venv ($("$PYTHON" --version))"
 source "$venv/bin/activate"
 python -m pip install -q --upgrade pip
 
-echo "== install: pip install . -r requirements/test.txt"
-python -m pip install -q . -r requirements/test.txt
+echo "== install: pip install . -r requirements/test.txt -r requirements/docs.txt"
+python -m pip install -q . -r requirements/test.txt -r requirements/docs.txt
 python -m pip show megatron-core | grep -E '^(Name|Version):'
 
 echo "== mypy --strict"
 python -m mypy megatron/core/optimizer/state_adoption build_tools setup.py
+
+echo "== docs: sphinx -W (warnings are errors)"
+python -m sphinx -W --keep-going -q -b html docs "$work/docs-html"
 
 echo "== negative control: routing tests against unpatched upstream megatron-core 0.19.2"
 unpatched="$work/unpatched"
