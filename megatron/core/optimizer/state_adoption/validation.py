@@ -1,0 +1,228 @@
+"""Side-effect-free checks that adopters share (exported for third-party adopters).
+
+Every function returns None when its rule holds and a human-readable reason otherwise, so an
+adopter's ``decline_reason`` can chain them.
+"""
+
+from itertools import chain
+from typing import Any, Callable, Iterator, Mapping, Optional, Set, Tuple
+
+import torch
+
+from .adopter import StateAdoptionContext
+
+ExpectedState = Mapping[str, torch.dtype]
+"""The state keys an adopter accepts for one parameter, each with the dtype it requires."""
+
+
+def owner_decline_reason(
+    context: StateAdoptionContext, precision_aware: bool = False
+) -> Optional[str]:
+    """Decline stub, Megatron-FSDP and CPU-offloaded owners, and the other precision mode.
+
+    Args:
+        context (StateAdoptionContext): the context to check.
+        precision_aware (bool): whether the adopter handles the precision-aware optimizer
+            (then it requires ``config.use_precision_aware_optimizer``) or not (then it
+            requires that flag to be off).
+
+    Returns:
+        Optional[str]: None if the owner's mode fits, otherwise why not.
+    """
+    if context.is_stub_optimizer:
+        return "the DistributedOptimizer is a stub"
+    if context.config is None or context.ddp_config is None:
+        return "the owner's OptimizerConfig or DistributedDataParallelConfig is unknown"
+    owner_flags = (
+        (context.ddp_config, "use_megatron_fsdp", False, "Megatron-FSDP manages the state"),
+        (context.config, "optimizer_cpu_offload", False, "the optimizer is CPU-offloaded"),
+        (
+            context.config,
+            "use_precision_aware_optimizer",
+            precision_aware,
+            "the optimizer is precision-aware",
+        ),
+    )
+    for config, flag, required, meaning in owner_flags:
+        if not hasattr(config, flag):
+            return f"{type(config).__name__} has no '{flag}'"
+        if bool(getattr(config, flag)) != required:
+            return f"{flag} is set: {meaning}" if not required else f"{flag} is not set"
+    return None
+
+
+def load_pre_hooks_decline_reason(
+    optimizer: torch.optim.Optimizer, allow_post_hooks: bool = True
+) -> Optional[str]:
+    """Decline optimizers with ``load_state_dict`` hooks an adopter could not honour.
+
+    A pre-hook may rewrite the incoming state after it was validated, so it always declines.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer.
+        allow_post_hooks (bool): False if the adopter does not run PyTorch's loader with
+            the full state (post-hooks would then observe something else).
+
+    Returns:
+        Optional[str]: None if no hook stands in the way, otherwise why.
+    """
+    hook_kinds = [("_optimizer_load_state_dict_pre_hooks", "pre-hook")]
+    if not allow_post_hooks:
+        hook_kinds.append(("_optimizer_load_state_dict_post_hooks", "post-hook"))
+    for attribute, kind in hook_kinds:
+        hooks = getattr(optimizer, attribute, None)
+        if hooks is None:
+            return f"the optimizer's load_state_dict {kind}s cannot be inspected"
+        if len(hooks) > 0:
+            return f"a load_state_dict {kind} is registered and may rewrite the state"
+    return None
+
+
+def param_groups_decline_reason(
+    optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> Optional[str]:
+    """Perform PyTorch's param-group validation without raising.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer.
+        state_dict (Mapping[str, Any]): the incoming state dict.
+
+    Returns:
+        Optional[str]: None if group count and sizes match, otherwise the mismatch.
+    """
+    incoming_state = state_dict.get("state")
+    incoming_groups = state_dict.get("param_groups")
+    if not isinstance(incoming_state, Mapping) or not isinstance(incoming_groups, list):
+        return "the state dict lacks a 'state' mapping or a 'param_groups' list"
+    if len(incoming_groups) != len(optimizer.param_groups):
+        return (
+            f"the state dict has {len(incoming_groups)} param groups, "
+            f"the optimizer {len(optimizer.param_groups)}"
+        )
+    for index, (incoming, group) in enumerate(zip(incoming_groups, optimizer.param_groups)):
+        if not isinstance(incoming, Mapping) or not isinstance(incoming.get("params"), list):
+            return f"param group {index} of the state dict has no 'params' list"
+        if len(incoming["params"]) != len(group["params"]):
+            return (
+                f"param group {index} has {len(incoming['params'])} params in the state dict, "
+                f"{len(group['params'])} in the optimizer"
+            )
+    return None
+
+
+def param_state_pairs(
+    optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> Iterator[Tuple[int, torch.Tensor, Any]]:
+    """Yield (position, parameter, incoming state) as PyTorch's loader pairs them.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer.
+        state_dict (Mapping[str, Any]): the incoming state dict (groups already validated).
+
+    Returns:
+        Iterator[Tuple[int, torch.Tensor, Any]]: one item per parameter that has state.
+    """
+    incoming_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    params = chain.from_iterable(g["params"] for g in optimizer.param_groups)
+    incoming_state = state_dict["state"]
+    for index, (state_id, param) in enumerate(zip(incoming_ids, params)):
+        if state_id in incoming_state:
+            yield index, param, incoming_state[state_id]
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Return the address of ``tensor``'s storage (0 for an empty storage)."""
+    return int(tensor.untyped_storage().data_ptr())
+
+
+def plain_tensor_decline_reason(
+    tensor: Any, dtype: torch.dtype, like: torch.Tensor
+) -> Optional[str]:
+    """Accept a dense, contiguous ``dtype`` tensor placed and shaped like ``like``.
+
+    Args:
+        tensor (Any): the incoming value.
+        dtype (torch.dtype): the dtype it must have.
+        like (torch.Tensor): the parameter whose device and shape it must have.
+
+    Returns:
+        Optional[str]: None if acceptable, otherwise what is wrong with it.
+    """
+    if type(tensor) is not torch.Tensor:
+        return f"is a {type(tensor).__name__}, not a plain torch.Tensor"
+    if tensor.is_quantized:
+        return "is quantized"
+    if tensor.layout != torch.strided:
+        return f"has layout {tensor.layout}, not torch.strided"
+    if tensor.dtype != dtype:
+        return f"is {tensor.dtype}, not {dtype}"
+    if tensor.device != like.device:
+        return f"is on {tensor.device}, the parameter on {like.device}"
+    if tensor.shape != like.shape:
+        return f"has shape {tuple(tensor.shape)}, the parameter {tuple(like.shape)}"
+    if not tensor.is_contiguous():
+        return "is not contiguous"
+    if tensor.requires_grad:
+        return "requires grad"
+    return None
+
+
+def incoming_state_decline_reason(
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    param_decline_reason: Callable[[torch.Tensor], Optional[str]],
+    expected_state: Callable[[torch.Tensor], ExpectedState],
+) -> Optional[str]:
+    """Check groups, parameters and every incoming state tensor for by-reference adoption.
+
+    Requires matching param groups, ``param_decline_reason`` to accept every parameter,
+    exactly one state entry per parameter with exactly the keys of ``expected_state(param)``,
+    each a tensor accepted by :func:`plain_tensor_decline_reason` with the expected dtype,
+    and no two state tensors or a state tensor and a parameter sharing a storage.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer.
+        state_dict (Mapping[str, Any]): the incoming state dict.
+        param_decline_reason (Callable): the adopter's rule for one parameter.
+        expected_state (Callable): the keys and dtypes accepted for one parameter.
+
+    Returns:
+        Optional[str]: None if everything can be adopted, otherwise the first problem.
+    """
+    reason = param_groups_decline_reason(optimizer, state_dict)
+    if reason is not None:
+        return reason
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        reason = param_decline_reason(param)
+        if reason is not None:
+            return f"parameter {index}: {reason}"
+    pairs = list(param_state_pairs(optimizer, state_dict))
+    if len(state_dict["state"]) != len(pairs) or len(pairs) != len(params):
+        return "the incoming state does not hold exactly one entry per parameter"
+    seen_storages: Set[int] = {storage_ptr(p) for p in params if p.nbytes > 0}
+    for index, param, incoming in pairs:
+        reason = _entry_decline_reason(param, incoming, expected_state(param), seen_storages)
+        if reason is not None:
+            return f"parameter {index}: {reason}"
+    return None
+
+
+def _entry_decline_reason(
+    param: torch.Tensor, incoming: Any, expected: ExpectedState, seen_storages: Set[int]
+) -> Optional[str]:
+    """Check one parameter's incoming state; add its storages to ``seen_storages``."""
+    if not isinstance(incoming, Mapping):
+        return f"the incoming state is a {type(incoming).__name__}, not a dict"
+    if set(incoming.keys()) != set(expected):
+        return f"the incoming state has keys {sorted(map(str, incoming))}, not {sorted(expected)}"
+    for key, dtype in expected.items():
+        reason = plain_tensor_decline_reason(incoming[key], dtype, param)
+        if reason is not None:
+            return f"{key} {reason}"
+        if incoming[key].nbytes > 0:
+            storage = storage_ptr(incoming[key])
+            if storage in seen_storages:
+                return f"{key} shares storage with a parameter or another state tensor"
+            seen_storages.add(storage)
+    return None
