@@ -20,9 +20,11 @@ python -m pip install -q --upgrade pip
 echo "== install: pip install . -r requirements/test.txt -r requirements/docs.txt"
 python -m pip install -q . -r requirements/test.txt -r requirements/docs.txt
 python -m pip show megatron-core | grep -E '^(Name|Version):'
+echo "== install the example plugin (opt-in precision-aware adopter, entry point)"
+python -m pip install -q ./examples/te-precision-aware-adopter
 
 echo "== mypy --strict"
-python -m mypy megatron/core/optimizer/state_adoption build_tools setup.py
+python -m mypy megatron/core/optimizer/state_adoption build_tools setup.py examples/te-precision-aware-adopter/src
 
 echo "== docs: sphinx -W (warnings are errors)"
 python -m sphinx -W --keep-going -q -b html docs "$work/docs-html"

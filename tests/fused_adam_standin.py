@@ -15,8 +15,14 @@ loading depends on, and reproduces it:
 * ``state_dict``: non-FP32 state is returned as FP32 copies, FP32 state as is;
 * ``step``: AdamW with a per-group ``step`` counter, as TE keeps it.
 
+* precision-aware state: BF16 moments (stored as BF16 copies of the FP32 input, with a
+  ``_scales`` entry of ones per moment, as TE creates it), TE master weights
+  (``master_param`` in FP32, or as int16 remainders of BF16 parameters with
+  ``store_param_remainders``), and the public ``initialize_state``.
+
 Every state tensor it allocates is counted in ``allocations`` so tests can prove that an
-adopter allocated nothing. FP16/FP8 scaled moments are not reproduced (only FP32 and BF16).
+adopter allocated nothing. Not reproduced: FP16/FP8 scaled moments, and ``step`` with
+master weights (it raises).
 """
 
 from itertools import chain
@@ -54,26 +60,55 @@ class FusedAdamStandIn(torch.optim.Optimizer):
             "master_param": master_weight_dtype,
         }
         self.allocations = 0
+        self._scales: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
 
-    def _initialize_state(self, param: torch.Tensor, state_name: str, zero_buffer: bool) -> None:
-        """Allocate one state tensor of the configured dtype, as TE does."""
-        data = torch.empty_like(param, dtype=self.name_to_dtype_map[state_name])
+    def _keeps_remainders(self, param: torch.Tensor, state_name: str) -> bool:
+        return self.store_param_remainders and state_name == "master_param" and param.dtype == torch.bfloat16
+
+    def _initialize_state(
+        self, param: torch.Tensor, state_name: str, zero_buffer: bool, store_param_remainders: bool = False
+    ) -> None:
+        """Allocate one state tensor of the configured dtype (int16 for remainders), as TE does."""
+        dtype = self.name_to_dtype_map[state_name]
+        if store_param_remainders:
+            data = torch.zeros_like(param, dtype=torch.int16)
+        else:
+            data = torch.empty_like(param, dtype=dtype)
         if zero_buffer:
             data.zero_()
         self.allocations += 1
         self.state[param][state_name] = data
+        if dtype != torch.float32:
+            self._scales.setdefault(param, {})[state_name] = torch.ones([1], dtype=torch.float32)
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool) -> None:
+        """Zeroed moments and, with master weights, the master copy of ``param``, as TE does."""
+        self._initialize_state(param, "exp_avg", zero_buffer=True)
+        self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
+        if self.master_weights:
+            self._initialize_state(param, "master_param", False, store_param_remainders)
+            if not store_param_remainders:
+                self.set_scaled_state(param, "master_param", param.clone().detach().float())
 
     def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled: torch.Tensor) -> None:
-        """Copy ``unscaled`` (FP32) into the parameter's state, allocating it if missing."""
-        assert unscaled.dtype == torch.float32
+        """Copy ``unscaled`` into the parameter's state (BF16: a BF16 copy), allocating it if missing."""
+        remainders = self._keeps_remainders(param, state_name)
+        assert unscaled.dtype == (torch.int16 if remainders else torch.float32)
         if state_name not in self.state[param]:
-            self._initialize_state(param, state_name, zero_buffer=False)
-        self.state[param][state_name].copy_(unscaled)
+            self._initialize_state(param, state_name, False, remainders)
+        target = self.state[param][state_name]
+        dtype = self.name_to_dtype_map[state_name]
+        if dtype == torch.bfloat16:
+            target.copy_(unscaled.bfloat16())
+        elif dtype == torch.float32:
+            target.copy_(unscaled)
+        else:
+            raise NotImplementedError(f"the stand-in does not reproduce {dtype} scaling")
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
-        """Return the FP32 tensor itself, or an FP32 copy of a BF16 state."""
+        """Return the FP32 (or int16 remainder) tensor itself, or an FP32 copy of a BF16 state."""
         state = self.state[param][state_name]
-        return state if state.dtype == torch.float32 else state.float()
+        return state if state.dtype in (torch.float32, torch.int16) else state.float()
 
     def state_dict(self) -> Dict[str, Any]:
         """PyTorch's state dict with every state tensor unscaled to FP32."""
@@ -98,12 +133,18 @@ class FusedAdamStandIn(torch.optim.Optimizer):
                 incoming = state_dict["state"][state_id]
                 self.state[param] = {}
                 for name, value in incoming.items():
-                    if value is not None:
+                    if value is None:
+                        continue
+                    if self._keeps_remainders(param, name):
+                        self.set_scaled_state(param, name, value)
+                    else:
                         self.set_scaled_state(param, name, value.float())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """One AdamW step; moments are read and written in their configured dtype."""
+        if self.master_weights:
+            raise NotImplementedError("the stand-in does not reproduce steps with master weights")
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]

@@ -1,0 +1,147 @@
+"""Adopter for TE FusedAdam with BF16 moments (Megatron-Core's precision-aware optimizer).
+
+TE's ``FusedAdam.load_state_dict`` upcasts every incoming BF16 moment to an FP32 copy, allocates
+a new BF16 tensor and copies the rounded value back, and copies the master weights (FP32, or
+int16 remainders of BF16 parameters) into new tensors: several transient copies per
+parameter while the caller still holds the incoming state. The values TE ends with are
+exactly the incoming ones (BF16 → FP32 → BF16 is exact). This adopter installs the incoming
+tensors by reference instead.
+
+It uses only TE's public API: ``initialize_state(param, store_param_remainders)`` lays out each
+parameter's state and TE's per-state scales exactly as TE's loader leaves them, then the
+freshly initialised tensors are replaced by the incoming ones (a transient of one parameter's
+state at a time, instead of the whole state). Anything it cannot prove equal to TE's result is
+declined: FP16/FP8 moments (TE rescales them), non-FP32 master weights, DTensor or quantized
+parameters, load-state-dict hooks, and every non-precision-aware owner (the default FP32
+adopter handles that).
+"""
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from megatron.core.optimizer.state_adoption import StateAdoptionContext
+from megatron.core.optimizer.state_adoption.te_fused_adam import te_fused_adam_decline_reason
+from megatron.core.optimizer.state_adoption.validation import (
+    ExpectedState,
+    incoming_state_decline_reason,
+    load_pre_hooks_decline_reason,
+    owner_decline_reason,
+    param_state_pairs,
+)
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class TEFusedAdamPrecisionAwareStateAdopter:
+    """Installs BF16 moments and TE master weights into TE FusedAdam by reference.
+
+    Args:
+        fused_adam_class (type, optional): the FusedAdam class to recognise; defaults to TE's
+            (looked up among imported modules). Tests without a GPU pass a stand-in.
+        param_device_type (str): device type every parameter and state tensor must be on.
+    """
+
+    name = "te_fused_adam_precision_aware"
+
+    def __init__(
+        self, fused_adam_class: Optional[type] = None, param_device_type: str = "cuda"
+    ) -> None:
+        self._fused_adam_class = fused_adam_class
+        self._param_device_type = param_device_type
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        """Return None if the state can be adopted exactly, else the first failing rule.
+
+        Args:
+            context (StateAdoptionContext): the optimizer and the incoming state.
+
+        Returns:
+            Optional[str]: None to accept, otherwise why TE's loader should run.
+        """
+        optimizer = context.optimizer
+        checks: Sequence[Callable[[], Optional[str]]] = (
+            lambda: owner_decline_reason(context, precision_aware=True),
+            lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
+            # Post-hooks are declined too: adopt() runs PyTorch's loader without the state.
+            lambda: load_pre_hooks_decline_reason(optimizer, allow_post_hooks=False),
+            lambda: _settings_decline_reason(optimizer),
+            lambda: incoming_state_decline_reason(
+                optimizer,
+                context.state_dict,
+                self._param_decline_reason,
+                lambda param: _expected_state(optimizer, param),
+            ),
+        )
+        for check in checks:
+            reason = check()
+            if reason is not None:
+                return reason
+        return None
+
+    def adopt(self, context: StateAdoptionContext) -> int:
+        """Install groups with PyTorch's loader, then each parameter's state by reference.
+
+        Args:
+            context (StateAdoptionContext): a context this adopter accepted.
+
+        Returns:
+            int: bytes of state installed by reference, which TE would have copied.
+        """
+        optimizer: Any = context.optimizer  # TE FusedAdam (checked); its attributes are untyped
+        pairs = list(param_state_pairs(optimizer, context.state_dict))
+        # PyTorch's loader would cast master weights to the BF16 parameter dtype, so it only
+        # installs the param groups here (hyper-parameters and TE's per-group 'step').
+        groups = list(context.state_dict["param_groups"])
+        torch.optim.Optimizer.load_state_dict(optimizer, {"state": {}, "param_groups": groups})
+        adopted_bytes = 0
+        for _, param, incoming in pairs:
+            keeps_remainders = bool(optimizer.store_param_remainders) and param.dtype == torch.bfloat16
+            optimizer.state[param] = {}
+            optimizer.initialize_state(param, keeps_remainders)
+            state = optimizer.state[param]
+            for key, tensor in incoming.items():
+                state[key] = tensor
+                adopted_bytes += tensor.nbytes
+        return adopted_bytes
+
+    def _param_decline_reason(self, param: torch.Tensor) -> Optional[str]:
+        """Accept plain floating-point parameters on the expected device type."""
+        if type(param) not in (torch.Tensor, torch.nn.Parameter):
+            return f"is a {type(param).__name__}, not a plain tensor"
+        if not param.is_floating_point():
+            return f"is {param.dtype}, not a floating-point tensor"
+        if param.device.type != self._param_device_type:
+            return f"is on {param.device}, not on {self._param_device_type}"
+        return None
+
+
+def _expected_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> ExpectedState:
+    """The keys and dtypes TE's loader would leave for ``param``."""
+    expected = {key: torch.bfloat16 for key in MOMENT_KEYS}
+    if getattr(optimizer, "master_weights", False):
+        remainders = bool(getattr(optimizer, "store_param_remainders", False))
+        keeps_remainders = remainders and param.dtype == torch.bfloat16
+        expected["master_param"] = torch.int16 if keeps_remainders else torch.float32
+    return expected
+
+
+def _settings_decline_reason(optimizer: Any) -> Optional[str]:
+    """Accept BF16 moments and, with master weights, FP32 masters; require TE's public API."""
+    for attribute in ("master_weights", "store_param_remainders", "name_to_dtype_map"):
+        if not hasattr(optimizer, attribute):
+            return f"FusedAdam has no '{attribute}' attribute"
+    if not callable(getattr(optimizer, "initialize_state", None)):
+        return "FusedAdam has no public initialize_state()"
+    dtypes = optimizer.name_to_dtype_map
+    if not isinstance(dtypes, Mapping):
+        return "FusedAdam.name_to_dtype_map is not a mapping"
+    for key in MOMENT_KEYS:
+        if dtypes.get(key) is not torch.bfloat16:
+            return f"FusedAdam keeps {key} in {dtypes.get(key)}; only BF16 moments are adopted"
+    if optimizer.master_weights and dtypes.get("master_param") is not torch.float32:
+        return f"FusedAdam keeps master weights in {dtypes.get('master_param')}, not torch.float32"
+    return None

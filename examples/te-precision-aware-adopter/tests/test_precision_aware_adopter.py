@@ -1,0 +1,148 @@
+"""The opt-in precision-aware adopter against TE's loader, reproduced by the CPU stand-in.
+
+TE cannot load without a GPU: ``FusedAdamStandIn`` (tests/fused_adam_standin.py of the
+main repository) reproduces FusedAdam's precision-aware loading — BF16 moments upcast and
+copied back, master weights in FP32 or as int16 remainders, ``_scales`` — and
+``initialize_state``. On CPU, MCore's OptimizerConfig refuses the precision-aware flag
+without TE, so the owner config here is a namespace with the two flags the adopter reads.
+"""
+
+import sys
+import types
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+
+from fused_adam_standin import FusedAdamStandIn  # noqa: E402
+
+TEFusedAdamPrecisionAwareStateAdopter = pytest.importorskip(
+    "mcore_te_precision_aware_adopter",
+    reason="the plugin is not installed (pip install examples/te-precision-aware-adopter)",
+).TEFusedAdamPrecisionAwareStateAdopter
+
+from megatron.core.distributed.distributed_data_parallel_config import (  # noqa: E402
+    DistributedDataParallelConfig,
+)
+from megatron.core.optimizer.state_adoption import (  # noqa: E402
+    StateAdopterRegistry,
+    StateAdoptionContext,
+)
+from megatron.core.optimizer.state_adoption.testing import (  # noqa: E402
+    assert_adoption_matches_own_loader,
+    assert_check_is_side_effect_free,
+)
+
+PRECISION_AWARE = types.SimpleNamespace(use_precision_aware_optimizer=True, optimizer_cpu_offload=False)
+FP32_MODE = types.SimpleNamespace(use_precision_aware_optimizer=False, optimizer_cpu_offload=False)
+SHAPES = [(64,), (16, 8), (33,)]
+
+MODES: Dict[str, Dict[str, Any]] = {
+    "BF16 params, master remainders": dict(
+        param_dtype=torch.bfloat16, master_weights=True, store_param_remainders=True
+    ),
+    "BF16 params, FP32 master weights": dict(param_dtype=torch.bfloat16, master_weights=True),
+    "FP32 params, no TE master weights": dict(param_dtype=torch.float32, master_weights=False),
+}
+
+
+def _adopter() -> TEFusedAdamPrecisionAwareStateAdopter:
+    return TEFusedAdamPrecisionAwareStateAdopter(FusedAdamStandIn, param_device_type="cpu")
+
+
+def _optimizer(param_dtype: torch.dtype, **kwargs: Any) -> FusedAdamStandIn:
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator).to(param_dtype)) for s in SHAPES]
+    return FusedAdamStandIn(
+        params, lr=1e-3, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, **kwargs
+    )
+
+
+def _scaffold(param_dtype: torch.dtype, **kwargs: Any) -> Dict[str, Any]:
+    """A populated payload in the dtypes MCore's precision-aware scaffold allocates."""
+    source = _optimizer(param_dtype, **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    state: Dict[int, Dict[str, torch.Tensor]] = {}
+    for index, param in enumerate(p for g in source.param_groups for p in g["params"]):
+        keeps_remainders = source.store_param_remainders and param.dtype == torch.bfloat16
+        source.initialize_state(param, keeps_remainders)
+        entry = {}
+        for key, tensor in source.state[param].items():
+            if tensor.dtype == torch.int16:
+                entry[key] = torch.randint(-(2**15), 2**15 - 1, tensor.shape, generator=generator, dtype=torch.int16)
+            else:
+                entry[key] = torch.rand(tensor.shape, generator=generator).to(tensor.dtype)
+        state[index] = entry
+    groups = source.state_dict()["param_groups"]
+    for group in groups:
+        group["step"] = 7
+    return {"state": state, "param_groups": groups}
+
+
+def _context_kwargs(config: Any = PRECISION_AWARE) -> Dict[str, Any]:
+    return {"config": config, "ddp_config": DistributedDataParallelConfig()}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_adoption_equals_te_loader(mode: str) -> None:
+    kwargs = MODES[mode]
+    made: List[FusedAdamStandIn] = []
+
+    def make_optimizer() -> FusedAdamStandIn:
+        made.append(_optimizer(**kwargs))
+        return made[-1]
+
+    avoided = assert_adoption_matches_own_loader(
+        _adopter(), make_optimizer, lambda: _scaffold(**kwargs), _context_kwargs()
+    )
+    adopted, by_te = made
+    scales = [
+        {k: v.clone() for k, v in optimizer._scales[p].items()}
+        for optimizer in (adopted, by_te)
+        for p in (q for g in optimizer.param_groups for q in g["params"])
+    ]
+    half = len(scales) // 2
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(scales[:half], scales[half:]))
+    bytes_per_element = 2 + 2 + (2 if kwargs.get("store_param_remainders") else 4 if kwargs["master_weights"] else 0)
+    assert avoided == bytes_per_element * sum(s[0] * (s[1] if len(s) > 1 else 1) for s in SHAPES)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda o, sd, ctx: ctx.update(config=FP32_MODE), "use_precision_aware_optimizer is not set"),
+        (lambda o, sd, ctx: o.register_load_state_dict_post_hook(lambda opt: None), "post-hook"),
+        (lambda o, sd, ctx: o.name_to_dtype_map.update(exp_avg=torch.float16), "only BF16 moments"),
+        (
+            lambda o, sd, ctx: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"].float()),
+            "parameter 0: exp_avg is torch.float32, not torch.bfloat16",
+        ),
+        (lambda o, sd, ctx: sd["state"][1].pop("master_param"), "parameter 1: the incoming state has keys"),
+        (
+            lambda o, sd, ctx: sd["state"][2].__setitem__("master_param", sd["state"][2]["master_param"].float()),
+            "parameter 2: master_param is torch.float32, not torch.int16",
+        ),
+    ],
+    ids=["FP32 owner", "post-hook", "FP16 moments", "FP32 incoming moment", "missing master", "master not int16"],
+)
+def test_declines(change: Any, reason: str) -> None:
+    optimizer = _optimizer(**MODES["BF16 params, master remainders"])
+    state_dict = _scaffold(**MODES["BF16 params, master remainders"])
+    context_kwargs = _context_kwargs()
+    change(optimizer, state_dict, context_kwargs)
+    context = StateAdoptionContext(optimizer, state_dict, **context_kwargs)
+    answer = assert_check_is_side_effect_free(_adopter(), context)
+    assert answer is not None and reason in answer, answer
+
+
+def test_installed_plugin_is_discovered_through_its_entry_point() -> None:
+    try:
+        distribution("mcore-te-precision-aware-adopter")
+    except PackageNotFoundError:
+        pytest.skip("the plugin is not installed (pip install examples/te-precision-aware-adopter)")
+    names = [adopter.name for adopter in StateAdopterRegistry().adopters()]
+    assert names == ["te_fused_adam_precision_aware"]
