@@ -16,7 +16,7 @@ parameters, load-state-dict hooks, and every non-precision-aware owner (the defa
 adopter handles that).
 """
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from megatron.core.optimizer.state_adoption import StateAdoptionContext
 from megatron.core.optimizer.state_adoption.te_fused_adam import te_fused_adam_decline_reason
 from megatron.core.optimizer.state_adoption.validation import (
     ExpectedState,
+    first_decline_reason,
     incoming_state_decline_reason,
     load_pre_hooks_decline_reason,
     owner_decline_reason,
@@ -63,24 +64,21 @@ class TEFusedAdamPrecisionAwareStateAdopter:
             Optional[str]: None to accept, otherwise why TE's loader should run.
         """
         optimizer = context.optimizer
-        checks: Sequence[Callable[[], Optional[str]]] = (
-            lambda: owner_decline_reason(context, precision_aware=True),
-            lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
-            # Post-hooks are declined too: adopt() runs PyTorch's loader without the state.
-            lambda: load_pre_hooks_decline_reason(optimizer, allow_post_hooks=False),
-            lambda: _settings_decline_reason(optimizer),
-            lambda: incoming_state_decline_reason(
-                optimizer,
-                context.state_dict,
-                self._param_decline_reason,
-                lambda param: _expected_state(optimizer, param),
-            ),
+        return first_decline_reason(
+            (
+                lambda: owner_decline_reason(context, precision_aware=True),
+                lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
+                # Post-hooks are declined too: adopt() runs PyTorch's loader without the state.
+                lambda: load_pre_hooks_decline_reason(optimizer, allow_post_hooks=False),
+                lambda: _settings_decline_reason(optimizer),
+                lambda: incoming_state_decline_reason(
+                    optimizer,
+                    context.state_dict,
+                    self._param_decline_reason,
+                    lambda param: _expected_state(optimizer, param),
+                ),
+            )
         )
-        for check in checks:
-            reason = check()
-            if reason is not None:
-                return reason
-        return None
 
     def adopt(self, context: StateAdoptionContext) -> int:
         """Install groups with PyTorch's loader, then each parameter's state by reference.

@@ -11,13 +11,14 @@ declined and keeps TE's own loader.
 """
 
 import sys
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import torch
 
 from .adopter import StateAdoptionContext
 from .validation import (
     ExpectedState,
+    first_decline_reason,
     incoming_state_decline_reason,
     load_pre_hooks_decline_reason,
     owner_decline_reason,
@@ -104,23 +105,20 @@ class TEFusedAdamFP32StateAdopter:
         Returns:
             Optional[str]: None to accept, otherwise why the state is left to TE's loader.
         """
-        checks: Sequence[Callable[[], Optional[str]]] = (
-            lambda: owner_decline_reason(context, precision_aware=False),
-            lambda: te_fused_adam_decline_reason(context.optimizer, self._fused_adam_class),
-            lambda: load_pre_hooks_decline_reason(context.optimizer),
-            lambda: _fp32_settings_decline_reason(context.optimizer),
-            lambda: incoming_state_decline_reason(
-                context.optimizer,
-                context.state_dict,
-                self._param_decline_reason,
-                lambda param: _FP32_MOMENTS,
-            ),
+        return first_decline_reason(
+            (
+                lambda: owner_decline_reason(context, precision_aware=False),
+                lambda: te_fused_adam_decline_reason(context.optimizer, self._fused_adam_class),
+                lambda: load_pre_hooks_decline_reason(context.optimizer),
+                lambda: _fp32_settings_decline_reason(context.optimizer),
+                lambda: incoming_state_decline_reason(
+                    context.optimizer,
+                    context.state_dict,
+                    self._param_decline_reason,
+                    lambda param: _FP32_MOMENTS,
+                ),
+            )
         )
-        for check in checks:
-            reason = check()
-            if reason is not None:
-                return reason
-        return None
 
     def adopt(self, context: StateAdoptionContext) -> int:
         """Run PyTorch's loader (FusedAdam's first step) and skip TE's re-allocation.

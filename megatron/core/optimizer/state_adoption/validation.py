@@ -5,7 +5,7 @@ adopter's ``decline_reason`` can chain them.
 """
 
 from itertools import chain
-from typing import Any, Callable, Iterator, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -13,6 +13,23 @@ from .adopter import StateAdoptionContext
 
 ExpectedState = Mapping[str, torch.dtype]
 """The state keys an adopter accepts for one parameter, each with the dtype it requires."""
+
+
+def first_decline_reason(checks: Iterable[Callable[[], Optional[str]]]) -> Optional[str]:
+    """Run ``checks`` in order and return the first reason, or None if all accept.
+
+    Args:
+        checks (Iterable[Callable[[], Optional[str]]]): zero-argument checks; later ones may
+            rely on earlier ones having accepted.
+
+    Returns:
+        Optional[str]: the first decline reason, or None.
+    """
+    for check in checks:
+        reason = check()
+        if reason is not None:
+            return reason
+    return None
 
 
 def owner_decline_reason(
