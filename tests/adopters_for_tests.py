@@ -80,6 +80,7 @@ class HalfInstallingAdopter:
         optimizer.state[first_param] = dict(context.state_dict["state"][first_id])
         optimizer.state[first_param]["bogus"] = torch.zeros(1)
         optimizer.param_groups[0]["lr"] = 999.0
+        optimizer.param_groups[0]["params"].append(torch.zeros(1))
         optimizer.param_groups.append({"params": [], "lr": 1.0})
         if self.mutate_incoming:
             context.state_dict["state"].clear()  # type: ignore[attr-defined]

@@ -81,6 +81,7 @@ def test_rollback_restores_previous_state_exactly() -> None:
             __import__("builders").make_context(optimizer, cloned_state_dict(trained_standin()))
         )
     snapshot.restore(optimizer)
+    assert [len(g["params"]) for g in optimizer.param_groups] == [2, 2]
     assert optimizer.param_groups == groups_before
     assert all(a is b for a, b in zip(optimizer.param_groups, group_objects))
     assert set(optimizer.state) == set(state_before)

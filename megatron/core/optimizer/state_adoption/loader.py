@@ -41,6 +41,7 @@ class _OptimizerSnapshot:
     state_entries: List[Tuple[Any, Any, Dict[Any, Any]]]
     param_groups: List[Dict[str, Any]]
     param_group_entries: List[Dict[str, Any]]
+    param_lists: List[List[Any]]
 
     @classmethod
     def capture(cls, optimizer: torch.optim.Optimizer) -> "_OptimizerSnapshot":
@@ -50,6 +51,7 @@ class _OptimizerSnapshot:
             state_entries=[(key, value, dict(value)) for key, value in optimizer.state.items()],
             param_groups=list(optimizer.param_groups),
             param_group_entries=[dict(group) for group in optimizer.param_groups],
+            param_lists=[list(group["params"]) for group in optimizer.param_groups],
         )
 
     def restore(self, optimizer: torch.optim.Optimizer) -> None:
@@ -59,9 +61,12 @@ class _OptimizerSnapshot:
             value.clear()
             value.update(entries)
             self.state[key] = value
-        for group, entries in zip(self.param_groups, self.param_group_entries):
+        for group, entries, params in zip(
+            self.param_groups, self.param_group_entries, self.param_lists
+        ):
             group.clear()
             group.update(entries)
+            group["params"][:] = params
         optimizer.__setstate__({"state": self.state, "param_groups": self.param_groups})
 
 
