@@ -9,7 +9,14 @@ whether the restored state and the next step are bitwise identical to the uninte
 Exit status: 0 all measurements ran; 1 a phase crashed; 2 this machine cannot run the
 benchmark (no CUDA GPU or no Transformer Engine); 3 the sides are wrong (the build is not the
 ``+stateadoption`` build, upstream is not 0.19.2, or both are the same); 4 with ``--check``,
-a case missed its expectation (saving or bitwise equality).
+a case missed its expectation (saving or bitwise equality). Invalid flags (including a process
+layout Megatron-Core cannot build) are usage errors, reported by argparse with status 2.
+
+Multi-rank (``--nproc-per-node N``, optionally ``--tensor-model-parallel-size``,
+``--expert-model-parallel-size``, ``--resume-nproc-per-node M``): every phase runs as one
+``python -m torch.distributed.run --standalone --nproc-per-node N`` launch; each rank measures and
+fingerprints its own shards and the report has one row per case, side and rank (see
+docs/multi-gpu.md). Without these flags the benchmark runs exactly as on one rank.
 """
 
 from __future__ import annotations
@@ -23,12 +30,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.resume_benchmark.cases import CASE_NAMES, PRESETS, ModelSize, make_case
+from benchmarks.resume_benchmark.cases import (
+    CASE_NAMES,
+    PRESETS,
+    BenchmarkCase,
+    ModelSize,
+    make_case,
+)
 from benchmarks.resume_benchmark.driver import Workspace, run_case, run_worker
+from benchmarks.resume_benchmark.launch import LayoutError, ParallelLayout, validate_layout
+from benchmarks.resume_benchmark.multirank import run_multi_rank_case
 from benchmarks.resume_benchmark.preflight import (
     EXIT_CANNOT_RUN,
     cannot_run_message,
     check_cuda,
+    check_gpu_count,
     check_transformer_engine,
 )
 from benchmarks.resume_benchmark.report import json_report, markdown_report
@@ -156,6 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 4 unless every measured case shows the expected saving and "
         "bitwise-identical restored state and next step",
     )
+    ranks = parser.add_argument_group("multi-rank (torch.distributed.run on this node)")
+    ranks.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="ranks (GPUs) for train+save+control and, by default, for each resume (default 1: "
+        "the single-rank benchmark, no torchrun)",
+    )
+    ranks.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="TP size (default 1)"
+    )
+    ranks.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="EP size, moe case only (default 1)",
+    )
+    ranks.add_argument(
+        "--resume-nproc-per-node",
+        type=int,
+        help="ranks for each resume (default: --nproc-per-node); a different value resumes at "
+        "another data-parallel size (dp_reshardable, fully_reshardable, dp_zero_gather_scatter)",
+    )
     # Development only: lets the benchmark's mechanics be tested before the build exists.
     parser.add_argument(
         "--allow-non-stateadoption-build", action="store_true", help=argparse.SUPPRESS
@@ -175,6 +214,37 @@ def model_size(args: argparse.Namespace) -> ModelSize:
             f"--hidden-size {size.hidden_size} is not divisible by {size.num_attention_heads} heads"
         )
     return size
+
+
+def make_cases(args: argparse.Namespace, size: ModelSize) -> list[BenchmarkCase]:
+    """The :class:`BenchmarkCase` of every name in ``--cases``."""
+    return [
+        make_case(
+            name,
+            size,
+            train_steps=args.train_steps,
+            seed=args.seed,
+            moe_fold_experts=args.moe_fold_experts,
+        )
+        for name in args.cases
+    ]
+
+
+def parse_layout(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, size: ModelSize
+) -> ParallelLayout:
+    """The validated process layout; a usage error (exit status 2) when it is invalid."""
+    try:
+        return validate_layout(
+            args.nproc_per_node,
+            args.tensor_model_parallel_size,
+            args.expert_model_parallel_size,
+            args.resume_nproc_per_node,
+            make_cases(args, size),
+            size,
+        )
+    except LayoutError as exc:
+        parser.error(str(exc))
 
 
 def _probe(workspace: Workspace, side: Side) -> dict[str, Any]:
@@ -210,9 +280,13 @@ def _verify_sides(probes: dict[str, dict[str, Any]], dev_mode: bool) -> str | No
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; see the module docstring for exit statuses."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     size = model_size(args)
+    layout = parse_layout(parser, args, size)
     missing = check_cuda()
+    if missing is None and layout.is_multi_rank:
+        missing = check_gpu_count(max(layout.nproc_per_node, layout.resume_nproc_per_node))
     if missing is not None:
         eprint(cannot_run_message(missing))
         return EXIT_CANNOT_RUN
@@ -260,25 +334,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.perf_counter()
     entries = []
-    for name in args.cases:
-        case = make_case(
-            name,
-            size,
-            train_steps=args.train_steps,
-            seed=args.seed,
-            moe_fold_experts=args.moe_fold_experts,
-        )
+    for case in make_cases(args, size):
+        name = case.name
+        expected_files = {label: probes[label]["megatron_core"]["file"] for label in sides}
         try:
-            entries.append(
-                run_case(
+            if layout.is_multi_rank:
+                entry = run_multi_rank_case(
                     workspace,
                     case,
                     sides,
-                    {label: probes[label]["megatron_core"]["file"] for label in sides},
+                    expected_files,
+                    args.checkpoint_root,
+                    args.worker_timeout,
+                    layout,
+                )
+            else:
+                entry = run_case(
+                    workspace,
+                    case,
+                    sides,
+                    expected_files,
                     args.checkpoint_root,
                     args.worker_timeout,
                 )
-            )
+            entries.append(entry)
         except Exception as exc:  # noqa: BLE001 - one broken case must not hide the others
             progress(f"{name}: driver error: {one_line(exc)}")
             entries.append({"case": name, "status": "error", "detail": f"driver: {one_line(exc)}"})
@@ -318,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             and not is_stateadoption_version(probes["build"]["megatron_core"]["version"]),
             "workspace": str(workspace.root),
             "cases_wall_seconds": time.perf_counter() - started,
+            **({"parallel": layout.to_json()} if layout.is_multi_rank else {}),
         },
         "cases": entries,
     }

@@ -7,7 +7,9 @@ temporary directory) and deleted after the case.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from benchmarks.resume_benchmark.cases import BenchmarkCase
+from benchmarks.resume_benchmark.launch import rank_result_path, worker_command
 from benchmarks.resume_benchmark.results import PROGRESS_MARKER, progress, read_json, write_json
 from benchmarks.resume_benchmark.sides import Side, worker_environment
 from benchmarks.resume_benchmark.summary import summarize_case
@@ -36,12 +39,17 @@ _CHECKPOINT_BYTES_PER_PARAM = 16
 
 @dataclass(frozen=True)
 class WorkerOutcome:
-    """What one worker process left behind."""
+    """What one worker process (or one ``torchrun`` launch of several ranks) left behind.
+
+    ``result`` is the single process's result, or rank 0's; ``rank_results`` holds every rank's
+    result in a multi-rank launch (empty for a single process).
+    """
 
     returncode: int
     result: dict[str, Any] | None
     log: Path
     seconds: float
+    rank_results: tuple[dict[str, Any] | None, ...] = ()
 
 
 class Workspace:
@@ -85,24 +93,23 @@ def run_worker(
     name: str,
     spec: dict[str, Any] | None,
     timeout_s: float,
+    nproc: int | None = None,
 ) -> WorkerOutcome:
-    """Run ``worker --phase phase`` for ``side`` in a fresh process; wait, log, read its result."""
+    """Run ``worker --phase phase`` for ``side`` in a fresh process; wait, log, read its result.
+
+    ``nproc`` ``None``: one plain process. Otherwise ``torch.distributed.run`` with ``nproc``
+    ranks in a new session (killed as a group on timeout); every rank's result is read.
+    """
     result_path = workspace.path(f"{name}.result.json")
     log_path = workspace.path(f"{name}.log")
-    result_path.unlink(missing_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.resume_benchmark.worker",
-        "--phase",
-        phase,
-        "--result",
-        str(result_path),
-    ]
+    rank_paths = [rank_result_path(result_path, r) for r in range(nproc or 0)]
+    for path in (result_path, *rank_paths):
+        path.unlink(missing_ok=True)
+    spec_path = None
     if spec is not None:
         spec_path = workspace.path(f"{name}.spec.json")
         write_json(spec_path, spec)
-        command += ["--spec", str(spec_path)]
+    command = worker_command(sys.executable, phase, result_path, spec_path, nproc)
     started = time.perf_counter()
     with log_path.open("w") as log:
         log.write(f"# side {side.label}: {side.source}\n# {' '.join(command)}\n")
@@ -115,6 +122,7 @@ def run_worker(
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
+            start_new_session=nproc is not None,
         )
         assert proc.stdout is not None
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, f"  [{name}]"), daemon=True)
@@ -122,15 +130,31 @@ def run_worker(
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill(proc, group=nproc is not None)
             returncode = proc.wait()
             log.write(f"\n# killed after {timeout_s:.0f} s\n")
         pump.join(timeout=30)
-    result = read_json(result_path) if result_path.is_file() else None
-    return WorkerOutcome(returncode, result, log_path, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    if nproc is None:
+        result = read_json(result_path) if result_path.is_file() else None
+        return WorkerOutcome(returncode, result, log_path, seconds)
+    ranks = tuple(read_json(p) if p.is_file() else None for p in rank_paths)
+    return WorkerOutcome(returncode, ranks[0], log_path, seconds, ranks)
 
 
-def _report_failure(outcome: WorkerOutcome, what: str) -> None:
+def _kill(proc: subprocess.Popen[str], group: bool) -> None:
+    """Kill the worker; a ``torchrun`` launch (its own session) with all its ranks."""
+    if group:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            pass
+    proc.kill()
+
+
+def report_failure(outcome: WorkerOutcome, what: str) -> None:
+    """Print that ``what`` failed and the last lines of its log."""
     tail = outcome.log.read_text(errors="replace").splitlines()[-25:]
     progress(f"{what} FAILED (exit {outcome.returncode}); last log lines from {outcome.log}:")
     for line in tail:
@@ -153,14 +177,18 @@ def checkpoint_root(requested: Path | None, case: BenchmarkCase) -> Path:
     return Path(tempfile.gettempdir())
 
 
-def _check_side_import(outcome: WorkerOutcome, side: Side, expected_file: str | None) -> None:
-    if outcome.result is None or expected_file is None:
+def check_side_import(outcome: WorkerOutcome, side: Side, expected_file: str | None) -> None:
+    """Raise if any process (any rank) imported ``megatron.core`` from an unexpected file."""
+    if expected_file is None:
         return
-    got = (outcome.result.get("megatron_core") or {}).get("file")
-    if got is not None and got != expected_file:
-        raise RuntimeError(
-            f"{side.label} worker imported megatron.core from {got}, expected {expected_file}"
-        )
+    for result in outcome.rank_results or (outcome.result,):
+        if result is None:
+            continue
+        got = (result.get("megatron_core") or {}).get("file")
+        if got is not None and got != expected_file:
+            raise RuntimeError(
+                f"{side.label} worker imported megatron.core from {got}, expected {expected_file}"
+            )
 
 
 def run_case(
@@ -186,9 +214,9 @@ def run_case(
             {**spec_base, "side": "control"},
             timeout_s,
         )
-        _check_side_import(control, sides["build"], expected_files["build"])
+        check_side_import(control, sides["build"], expected_files["build"])
         if control.returncode != 0 or control.result is None:
-            _report_failure(control, f"{case.name}: train+save+control")
+            report_failure(control, f"{case.name}: train+save+control")
         progress(f"{case.name}: train+save+control finished in {control.seconds:.1f} s")
         saved = control.result is not None and (control.result.get("save") or {}).get("ok")
         if control.returncode == 0 and saved:
@@ -202,9 +230,9 @@ def run_case(
                     {**spec_base, "side": label},
                     timeout_s,
                 )
-                _check_side_import(outcome, sides[label], expected_files[label])
+                check_side_import(outcome, sides[label], expected_files[label])
                 if outcome.returncode != 0 or outcome.result is None:
-                    _report_failure(outcome, f"{case.name}: resume ({label})")
+                    report_failure(outcome, f"{case.name}: resume ({label})")
                 resumed[label] = outcome.result or {
                     "error": f"worker exited {outcome.returncode} without a result "
                     f"(see {outcome.log})"

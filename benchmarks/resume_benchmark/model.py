@@ -24,7 +24,12 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from benchmarks.resume_benchmark.cases import BenchmarkCase
-from benchmarks.resume_benchmark.runtime import initialize_single_rank, seed_everything
+from benchmarks.resume_benchmark.launch import ParallelLayout
+from benchmarks.resume_benchmark.runtime import (
+    initialize_single_rank,
+    initialize_torchrun_rank,
+    seed_everything,
+)
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
 #: Optimizer hyper-parameters shared by every case (constant LR, no scheduler).
@@ -35,12 +40,22 @@ ADAM_EPS = 1.0e-8
 CLIP_GRAD = 1.0
 
 
-def transformer_config(case: BenchmarkCase) -> TransformerConfig:
-    """The GPT's ``TransformerConfig``: BF16, dropout 0, deterministic, optional MoE."""
+def transformer_config(
+    case: BenchmarkCase, layout: ParallelLayout | None = None
+) -> TransformerConfig:
+    """The GPT's ``TransformerConfig``: BF16, dropout 0, deterministic, optional MoE.
+
+    ``layout`` (multi-rank runs only) adds its tensor- and expert-model-parallel sizes.
+    """
     size = case.size
-    moe_kwargs: dict[str, object] = {}
+    extra_kwargs: dict[str, object] = {}
+    if layout is not None:
+        extra_kwargs = {
+            "tensor_model_parallel_size": layout.tensor_model_parallel_size,
+            "expert_model_parallel_size": layout.expert_model_parallel_size,
+        }
     if case.moe:
-        moe_kwargs = {
+        extra_kwargs |= {
             "num_moe_experts": size.num_experts,
             "moe_ffn_hidden_size": size.moe_ffn_hidden_size,
             "moe_router_topk": size.moe_router_topk,
@@ -65,7 +80,7 @@ def transformer_config(case: BenchmarkCase) -> TransformerConfig:
         deterministic_mode=True,
         use_cpu_initialization=False,
         perform_initialization=True,
-        **moe_kwargs,  # type: ignore[arg-type,unused-ignore]
+        **extra_kwargs,  # type: ignore[arg-type,unused-ignore]
     )
 
 
@@ -129,6 +144,7 @@ def tag_expert_parameters(model: torch.nn.Module) -> int:
 
 def build_gpt_and_optimizer(
     case: BenchmarkCase,
+    layout: ParallelLayout | None = None,
 ) -> tuple[list[DistributedDataParallel], MegatronOptimizer]:
     """Build the case's GPT model chunks (one, DDP-wrapped) and its Megatron optimizer.
 
@@ -137,10 +153,18 @@ def build_gpt_and_optimizer(
     For ``case.moe`` the optimizer is a ``ChainedOptimizer`` of a dense and an expert
     ``DistributedOptimizer`` (see :func:`tag_expert_parameters`; ``case.moe_fold_experts``
     keeps Megatron's one-rank default of a single DistributedOptimizer instead).
+
+    ``layout`` ``None`` is the single-rank benchmark; otherwise this process is one rank of a
+    ``torch.distributed.run`` launch with the layout's TP and EP sizes.
     """
-    initialize_single_rank(case.seed)
+    if layout is None:
+        initialize_single_rank(case.seed)
+    else:
+        initialize_torchrun_rank(
+            case.seed, layout.tensor_model_parallel_size, layout.expert_model_parallel_size
+        )
     seed_everything(case.seed)
-    config = transformer_config(case)
+    config = transformer_config(case, layout)
     spec = get_gpt_layer_local_spec(
         num_experts=case.size.num_experts if case.moe else None, moe_grouped_gemm=False
     )

@@ -31,6 +31,16 @@ def check_cuda() -> str | None:
     return None
 
 
+def check_gpu_count(needed: int) -> str | None:
+    """``None`` when this node has at least ``needed`` CUDA devices, else what is missing."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < needed:
+        return f"{needed} CUDA devices are needed for the requested ranks, {count} are visible"
+    return None
+
+
 def check_transformer_engine(probe: Mapping[str, Any]) -> str | None:
     """``None`` when the build side's worker could import Transformer Engine, else why not."""
     te = probe.get("transformer_engine") or {}

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.resume_benchmark.rank_summary import is_multi_rank_entry
+
 MIB = float(1 << 20)
 _DASH = "—"
 
@@ -45,7 +47,8 @@ def _row(cells: Iterable[Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def _case_rows(entry: Mapping[str, Any]) -> list[str]:
+def _case_cells(entry: Mapping[str, Any]) -> list[list[Any]]:
+    """The table rows (as cells) of one single-rank entry."""
     name = entry["case"]
     optimizers = len(entry.get("inner_optimizers") or [])
     if optimizers > 1:
@@ -53,69 +56,153 @@ def _case_rows(entry: Mapping[str, Any]) -> list[str]:
     if entry["status"] != "ok" and "sides" not in entry:
         control = entry.get("control", {})
         params = entry.get("params_on_rank")
-        return [
-            _row(
-                [
-                    name,
-                    "control",
-                    control.get("megatron_core", {}).get("version", _DASH),
-                    _DASH if params is None else f"{params:,}",
-                    entry.get("detail") or entry["status"],
-                    *([_DASH] * 5),
-                    _mib(control.get("train_peak_bytes")),
-                    *([_DASH] * 4),
-                ]
-            )
-        ]
+        return [_failed_control_cells(name, control, params, entry)]
     control = entry["control"]
-    rows = [
-        _row(
-            [
-                name,
-                "control (uninterrupted)",
-                control["megatron_core"]["version"],
-                f"{entry['params_on_rank']:,}",
-                *([_DASH] * 6),
-                _mib(control["train_peak_bytes"]),
-                _mib(control.get("next_step_peak_bytes")),
-                _DASH,
-                _DASH,
-                _DASH,
-            ]
-        )
-    ]
+    rows = [_control_cells(name, control, entry["params_on_rank"])]
     for label, side in entry["sides"].items():
-        if side["status"] != "ok":
-            status = side["status"] + (f": {side['error']}" if side.get("error") else "")
-            rows.append(_row([name, label, _DASH, _DASH, status, *([_DASH] * 10)]))
-            continue
-        is_build = label == "build"
-        ratio = entry.get("bytes_avoided_ratio") if is_build else None
-        expected_zero = is_build and entry.get("expected_bytes_avoided") == 0
-        rows.append(
-            _row(
-                [
-                    name,
-                    label,
-                    side["megatron_core"]["version"],
-                    f"{side['params_on_rank']:,}",
-                    _mib(side["baseline_bytes"]),
-                    _mib(side["load_peak_bytes"]),
-                    _mib(side["load_over_baseline_bytes"]),
-                    f"{side['load_over_baseline_bytes_per_param']:.2f}",
-                    _mib(entry.get("bytes_avoided")) if is_build else _DASH,
-                    "expected 0"
-                    if expected_zero
-                    else (f"{ratio:.4f}" if ratio is not None else _DASH),
-                    _DASH,
-                    _mib(side["next_step_peak_bytes"]),
-                    f"{side['load_seconds']:.2f}",
-                    _yes(side["restored_state_equal"]),
-                    _yes(side["next_step_equal"]),
-                ]
-            )
-        )
+        rows.append(_side_cells(name, label, side, entry if label == "build" else None))
     return rows
+
+
+def _failed_control_cells(
+    name: str, control: Mapping[str, Any], params: int | None, entry: Mapping[str, Any]
+) -> list[Any]:
+    """The one row of a case whose control failed or whose format cannot be saved."""
+    return [
+        name,
+        "control",
+        control.get("megatron_core", {}).get("version", _DASH),
+        _DASH if params is None else f"{params:,}",
+        entry.get("detail") or entry["status"],
+        *([_DASH] * 5),
+        _mib(control.get("train_peak_bytes")),
+        *([_DASH] * 4),
+    ]
+
+
+def _control_cells(name: str, control: Mapping[str, Any], params: int) -> list[Any]:
+    """The uninterrupted run's row."""
+    return [
+        name,
+        "control (uninterrupted)",
+        control["megatron_core"]["version"],
+        f"{params:,}",
+        *([_DASH] * 6),
+        _mib(control["train_peak_bytes"]),
+        _mib(control.get("next_step_peak_bytes")),
+        _DASH,
+        _DASH,
+        _DASH,
+    ]
+
+
+def _side_cells(
+    name: str,
+    label: str,
+    side: Mapping[str, Any],
+    saving: Mapping[str, Any] | None,
+    equal_notes: tuple[str, str] = ("", ""),
+) -> list[Any]:
+    """A resume row; ``saving`` (build rows only) holds the bytes avoided versus upstream.
+
+    ``equal_notes`` are appended to the two equality cells (multi-rank resharded rows say what
+    they compare).
+    """
+    if side["status"] != "ok":
+        status = side["status"] + (f": {side['error']}" if side.get("error") else "")
+        return [name, label, _DASH, _DASH, status, *([_DASH] * 10)]
+    ratio = saving.get("bytes_avoided_ratio") if saving is not None else None
+    expected_zero = saving is not None and saving.get("expected_bytes_avoided") == 0
+    return [
+        name,
+        label,
+        side["megatron_core"]["version"],
+        f"{side['params_on_rank']:,}",
+        _mib(side["baseline_bytes"]),
+        _mib(side["load_peak_bytes"]),
+        _mib(side["load_over_baseline_bytes"]),
+        f"{side['load_over_baseline_bytes_per_param']:.2f}",
+        _mib(saving.get("bytes_avoided")) if saving is not None else _DASH,
+        "expected 0" if expected_zero else (f"{ratio:.4f}" if ratio is not None else _DASH),
+        _DASH,
+        _mib(side["next_step_peak_bytes"]),
+        f"{side['load_seconds']:.2f}",
+        _yes(side["restored_state_equal"]) + equal_notes[0],
+        _yes(side["next_step_equal"]) + equal_notes[1],
+    ]
+
+
+def _multi_rank_name(entry: Mapping[str, Any]) -> str:
+    """Case name with its optimizer count and layout, e.g. ``moe (2 ...) [TP 1, EP 2, DP 2]``."""
+    name = entry["case"]
+    optimizers = len(entry.get("inner_optimizers") or [])
+    if optimizers > 1:
+        name = f"{name} ({optimizers} DistributedOptimizers)"
+    par = entry["parallel"]
+    dp = f"DP {par['data_parallel_size']}"
+    if par["resharded"]:
+        dp += f" → {par['resume_data_parallel_size']}"
+    return (
+        f"{name} [TP {par['tensor_model_parallel_size']}, "
+        f"EP {par['expert_model_parallel_size']}, {dp}]"
+    )
+
+
+def _multi_rank_cells(entry: Mapping[str, Any]) -> list[list[Any]]:
+    """Rows of a multi-rank entry: control ranks, then upstream ranks, then build ranks.
+
+    Each row carries its rank as a third cell (the table's ``rank`` column).
+    """
+    name = _multi_rank_name(entry)
+    controls = entry.get("controls")
+    if controls is None:
+        return [_with_rank(_failed_control_cells(name, {}, None, entry), _DASH)]
+    if "rank_sides" not in entry:
+        return [
+            _with_rank(_failed_control_cells(name, c, c["params_on_rank"], entry), c["rank"])
+            for c in controls
+        ]
+    rows = [_with_rank(_control_cells(name, c, c["params_on_rank"]), c["rank"]) for c in controls]
+    resharded = entry["parallel"]["resharded"]
+    savings = {r["rank"]: r for r in entry.get("ranks") or []}
+    for label, per_rank in entry["rank_sides"].items():
+        notes = ("", "")
+        if resharded:
+            notes = (" (gathered)", " (= upstream)" if label == "build" else "")
+        for side in per_rank:
+            saving = savings.get(side["rank"], {}) if label == "build" else None
+            rows.append(_with_rank(_side_cells(name, label, side, saving, notes), side["rank"]))
+    return rows
+
+
+def _with_rank(cells: list[Any], rank: Any) -> list[Any]:
+    """``cells`` with ``rank`` inserted after the side cell."""
+    return [*cells[:2], rank, *cells[2:]]
+
+
+def _entry_rows(entry: Mapping[str, Any], with_rank: bool) -> list[str]:
+    """Markdown rows of one entry; single-rank entries get rank 0 in a table with ranks."""
+    if is_multi_rank_entry(entry):
+        return [_row(cells) for cells in _multi_rank_cells(entry)]
+    cells = _case_cells(entry)
+    return [_row(_with_rank(c, 0) if with_rank else c) for c in cells]
+
+
+def _ranks_text(settings: Mapping[str, Any]) -> str:
+    """``one rank`` (single-rank runs, as before) or the multi-rank layout."""
+    par = settings.get("parallel")
+    if not par:
+        return "one rank"
+    text = (
+        f"{par['nproc_per_node']} rank(s) per phase, TP {par['tensor_model_parallel_size']}, "
+        f"EP {par['expert_model_parallel_size']}, DP {par['data_parallel_size']}"
+    )
+    if par["resharded"]:
+        text += (
+            f", resumed on {par['resume_nproc_per_node']} rank(s) "
+            f"(DP {par['resume_data_parallel_size']})"
+        )
+    return text
 
 
 def markdown_report(document: Mapping[str, Any]) -> str:
@@ -136,7 +223,8 @@ def markdown_report(document: Mapping[str, Any]) -> str:
         )
     size = settings["size"]
     lines += [
-        f"- model: GPT, local layer spec, BF16, distributed optimizer, one rank; hidden "
+        f"- model: GPT, local layer spec, BF16, distributed optimizer, {_ranks_text(settings)}; "
+        "hidden "
         f"{size['hidden_size']}, {size['num_layers']} layers, {size['num_attention_heads']} heads, "
         f"FFN {size['ffn_hidden_size']}, vocab {size['vocab_size']}, seq {size['seq_length']}, "
         f"micro-batch {size['micro_batch_size']}; MoE case: {size['num_experts']} experts, "
@@ -154,9 +242,11 @@ def markdown_report(document: Mapping[str, Any]) -> str:
             "- **WARNING: development mode -- the build side is NOT the +stateadoption build; "
             "the comparison measures nothing about the product.**"
         )
-    lines += ["", _row(_COLUMNS), _row(["---"] * len(_COLUMNS))]
+    with_rank = any(is_multi_rank_entry(e) for e in document["cases"])
+    columns = _with_rank(list(_COLUMNS), "rank") if with_rank else list(_COLUMNS)
+    lines += ["", _row(columns), _row(["---"] * len(columns))]
     for entry in document["cases"]:
-        lines += _case_rows(entry)
+        lines += _entry_rows(entry, with_rank)
     lines.append("")
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,21 @@ def compare_digests(expected: Mapping[str, str], actual: Mapping[str, str]) -> D
     mismatched = [name for name in common if expected[name] != actual[name]]
     equal = not missing and not unexpected and not mismatched and bool(expected)
     return DigestComparison(equal, len(common), mismatched, missing, unexpected)
+
+
+def merge_rank_digests(parts: Sequence[Mapping[str, str]]) -> tuple[dict[str, str], list[str]]:
+    """Union of several ranks' fingerprints, and the names whose digests differ between ranks.
+
+    Ranks holding the same replicated shard report it under the same name; a conflict means
+    replicas that should be identical are not.
+    """
+    merged: dict[str, str] = {}
+    conflicts: set[str] = set()
+    for part in parts:
+        for name, digest in part.items():
+            if merged.setdefault(name, digest) != digest:
+                conflicts.add(name)
+    return merged, sorted(conflicts)
 
 
 def eprint(message: str) -> None:

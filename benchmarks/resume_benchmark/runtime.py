@@ -1,4 +1,8 @@
-"""Single-rank process setup: determinism, ``torch.distributed`` (NCCL), Megatron parallel state."""
+"""Process setup: determinism, ``torch.distributed`` (NCCL), Megatron parallel state.
+
+One rank (:func:`initialize_single_rank`, the single-rank benchmark) or one rank of a
+``torch.distributed.run`` launch (:func:`initialize_torchrun_rank`).
+"""
 
 from __future__ import annotations
 
@@ -76,3 +80,66 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def torchrun_rank() -> tuple[int, int, int]:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` as ``torch.distributed.run`` sets them."""
+    try:
+        return (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ["LOCAL_RANK"]),
+        )
+    except KeyError as exc:
+        raise RuntimeError(
+            f"{exc.args[0]} is not set: multi-rank phases must be launched with "
+            "python -m torch.distributed.run"
+        ) from None
+
+
+def initialize_torchrun_rank(
+    seed: int, tensor_model_parallel_size: int, expert_model_parallel_size: int
+) -> None:
+    """Initialise this ``torchrun`` rank: NCCL (env://), its GPU, Megatron's parallel state.
+
+    Same determinism settings as :func:`initialize_single_rank`; idempotent.
+    """
+    apply_determinism_env()
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    rank, world_size, local_rank = torchrun_rank()
+    torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl", init_method="env://", world_size=world_size, rank=rank
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+        )
+    seed_everything(seed)
+
+
+def rank_coordinates() -> dict[str, int]:
+    """This rank's global rank, world size and Megatron parallel ranks (after initialisation)."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "expert_tp_rank": ps.get_expert_tensor_parallel_rank(),
+        "expert_dp_rank": ps.get_expert_data_parallel_rank(),
+    }

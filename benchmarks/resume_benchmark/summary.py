@@ -19,20 +19,36 @@ AVOIDED_RELATIVE_TOLERANCE = 0.01
 AVOIDED_ABSOLUTE_TOLERANCE = 1 << 20
 
 
-def _resume_side(
+def resume_side(
     control: Mapping[str, Any], result: Mapping[str, Any] | None, params: int
 ) -> dict[str, Any]:
+    """One resume side compared with the control: measurements and bitwise equality."""
     if result is None:
         return {"status": "not run"}
     if "error" in result:
         return {"status": "error", "error": result["error"]}
-    load = result["load"]
-    over = load["peak_bytes"] - load["baseline_bytes"]
     restored = compare_digests(control["post_save_fingerprint"], result["restored_fingerprint"])
     after = compare_digests(control["next_step"]["fingerprint"], result["next_step"]["fingerprint"])
     loss_equal = control["next_step"]["loss_hex"] == result["next_step"]["loss_hex"]
     return {
         "status": "ok",
+        **resume_measurements(result, params),
+        "restored_state_equal": restored.equal,
+        "restored_state": restored.to_json(),
+        "next_step_equal": loss_equal and after.equal,
+        "next_step_loss_equal": loss_equal,
+        "next_step_state": after.to_json(),
+    }
+
+
+def resume_measurements(result: Mapping[str, Any], params: int) -> dict[str, Any]:
+    """What one successful resume measured (load peak over baseline, times, next-step peak).
+
+    ``params``: the optimizer parameters the per-parameter figure divides by.
+    """
+    load = result["load"]
+    over = load["peak_bytes"] - load["baseline_bytes"]
+    return {
         "megatron_core": result["megatron_core"],
         "params_on_rank": result["model"]["optimizer_params"],
         "baseline_bytes": load["baseline_bytes"],
@@ -43,11 +59,6 @@ def _resume_side(
         "load_seconds": load["seconds"],
         "next_step_peak_bytes": result["next_step"]["peak_bytes"],
         "next_step_loss": result["next_step"]["loss"],
-        "restored_state_equal": restored.equal,
-        "restored_state": restored.to_json(),
-        "next_step_equal": loss_equal and after.equal,
-        "next_step_loss_equal": loss_equal,
-        "next_step_state": after.to_json(),
     }
 
 
@@ -91,7 +102,7 @@ def summarize_case(
         next_step_peak_bytes=control["next_step"]["peak_bytes"],
         next_step_loss=control["next_step"]["loss"],
     )
-    sides = {label: _resume_side(control, resumed.get(label), params) for label in RESUME_SIDES}
+    sides = {label: resume_side(control, resumed.get(label), params) for label in RESUME_SIDES}
     entry["sides"] = sides
     errors = [
         f"{label}: {s.get('error', s['status'])}"
@@ -102,25 +113,34 @@ def summarize_case(
         entry["status"] = "error"
         entry["detail"] = "resume failed -- " + "; ".join(errors)
         return entry
-    expected = case.expected_saving_bytes_per_param * params
-    avoided = sides["upstream"]["load_peak_bytes"] - sides["build"]["load_peak_bytes"]
-    tolerance = max(AVOIDED_RELATIVE_TOLERANCE * expected, AVOIDED_ABSOLUTE_TOLERANCE)
     entry.update(
         status="ok",
         detail=None,
-        expected_bytes_avoided=expected,
-        bytes_avoided=avoided,
-        bytes_avoided_over_baseline=(
-            sides["upstream"]["load_over_baseline_bytes"]
-            - sides["build"]["load_over_baseline_bytes"]
-        ),
-        bytes_avoided_ratio=(avoided / expected) if expected else None,
-        bytes_avoided_as_expected=abs(avoided - expected) <= tolerance,
+        **saving_fields(case.expected_saving_bytes_per_param * params, sides),
         all_bitwise_equal=all(
             s["restored_state_equal"] and s["next_step_equal"] for s in sides.values()
         ),
     )
     return entry
+
+
+def saving_fields(expected: int, sides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Bytes the build avoided at load versus upstream, and whether that is ``expected``.
+
+    ``sides``: the ``upstream`` and ``build`` resume measurements of one rank.
+    """
+    avoided = sides["upstream"]["load_peak_bytes"] - sides["build"]["load_peak_bytes"]
+    tolerance = max(AVOIDED_RELATIVE_TOLERANCE * expected, AVOIDED_ABSOLUTE_TOLERANCE)
+    return {
+        "expected_bytes_avoided": expected,
+        "bytes_avoided": avoided,
+        "bytes_avoided_over_baseline": (
+            sides["upstream"]["load_over_baseline_bytes"]
+            - sides["build"]["load_over_baseline_bytes"]
+        ),
+        "bytes_avoided_ratio": (avoided / expected) if expected else None,
+        "bytes_avoided_as_expected": abs(avoided - expected) <= tolerance,
+    }
 
 
 def case_meets_expectations(entry: Mapping[str, Any]) -> bool:

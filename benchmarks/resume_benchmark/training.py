@@ -1,4 +1,4 @@
-"""Deterministic synthetic batches and one Megatron training step (single rank)."""
+"""Deterministic synthetic batches and one Megatron training step."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
 from benchmarks.resume_benchmark.cases import BenchmarkCase
+from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer
 
 #: Mixes the case seed into the per-step batch seed; the batch depends on (seed, step) only.
 _STEP_SEED_STRIDE = 1_000_003
+#: Mixes the data-parallel rank in (0 on one rank: the single-rank batches are unchanged).
+_DP_RANK_SEED_STRIDE = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,14 @@ class StepResult:
     update_successful: bool
 
 
-def synthetic_batch(case: BenchmarkCase, step: int) -> Batch:
-    """The batch for 1-based ``step``: random tokens from a generator seeded by (seed, step)."""
+def synthetic_batch(case: BenchmarkCase, step: int, dp_rank: int = 0) -> Batch:
+    """The batch for 1-based ``step``: random tokens from a generator seeded by (seed, step).
+
+    Each data-parallel rank ``dp_rank`` gets its own batch; tensor-parallel peers share it.
+    """
     size = case.size
-    generator = torch.Generator(device="cpu").manual_seed(case.seed * _STEP_SEED_STRIDE + step)
+    seed = case.seed * _STEP_SEED_STRIDE + step + dp_rank * _DP_RANK_SEED_STRIDE
+    generator = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(
         0, size.vocab_size, (size.micro_batch_size, size.seq_length + 1), generator=generator
     )
@@ -60,7 +67,7 @@ def train_step(
     The reported loss is the mean token loss computed before the update.
     """
     model = model_chunks[0]
-    batch = synthetic_batch(case, step)
+    batch = synthetic_batch(case, step, parallel_state.get_data_parallel_rank())
     model.zero_grad_buffer()
     optimizer.zero_grad()
     per_token_loss = model(batch.tokens, batch.position_ids, None, labels=batch.labels)

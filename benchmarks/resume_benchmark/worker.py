@@ -5,6 +5,13 @@ Usage (the driver runs this; PYTHONPATH selects which ``megatron-core`` is impor
     python -m benchmarks.resume_benchmark.worker --phase probe  --result OUT.json
     python -m benchmarks.resume_benchmark.worker --phase train  --spec SPEC.json --result OUT.json
     python -m benchmarks.resume_benchmark.worker --phase resume --spec SPEC.json --result OUT.json
+    python -m torch.distributed.run --standalone --nproc-per-node N \
+        -m benchmarks.resume_benchmark.worker --phase resume --spec SPEC.json --result OUT.json
+
+A spec with a ``"parallel"`` layout (multi-rank runs only) makes every rank initialise NCCL from
+the ``torchrun`` environment with the layout's TP/EP sizes and write ``OUT.rank<r>.json``; it
+then also records its parallel coordinates and, for a resume at another data-parallel size, the
+DP-size-independent fingerprint of :mod:`.gathered`.
 
 Phases:
 
@@ -37,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.resume_benchmark.cases import BenchmarkCase
+from benchmarks.resume_benchmark.launch import ParallelLayout, rank_result_path
 from benchmarks.resume_benchmark.results import one_line, progress, read_json, write_json
-from benchmarks.resume_benchmark.runtime import apply_determinism_env
+from benchmarks.resume_benchmark.runtime import apply_determinism_env, torchrun_rank
 
 
 def megatron_core_info() -> dict[str, Any]:
@@ -135,7 +143,16 @@ def _step_json(result: Any) -> dict[str, Any]:
     }
 
 
-def _build(case: BenchmarkCase, label: str) -> tuple[Any, Any, dict[str, Any]]:
+def _who(case: BenchmarkCase, label: str, layout: ParallelLayout | None) -> str:
+    """Progress-line prefix: ``case/side``, plus the rank in a multi-rank run."""
+    if layout is None:
+        return f"{case.name}/{label}"
+    return f"{case.name}/{label} rank {torchrun_rank()[0]}"
+
+
+def _build(
+    case: BenchmarkCase, label: str, layout: ParallelLayout | None
+) -> tuple[Any, Any, dict[str, Any]]:
     import torch  # noqa: F401  (before transformer_engine)
 
     from benchmarks.resume_benchmark.model import (
@@ -145,8 +162,9 @@ def _build(case: BenchmarkCase, label: str) -> tuple[Any, Any, dict[str, Any]]:
         optimizer_parameter_count,
     )
 
+    who = _who(case, label, layout)
     started = time.perf_counter()
-    model_chunks, optimizer = build_gpt_and_optimizer(case)
+    model_chunks, optimizer = build_gpt_and_optimizer(case, layout)
     info: dict[str, Any] = {
         "total_params": model_parameter_count(model_chunks),
         "optimizer_params": optimizer_parameter_count(optimizer),
@@ -154,7 +172,7 @@ def _build(case: BenchmarkCase, label: str) -> tuple[Any, Any, dict[str, Any]]:
         "build_seconds": time.perf_counter() - started,
     }
     progress(
-        f"{case.name}/{label}: built GPT ({info['total_params']:,} params, "
+        f"{who}: built GPT ({info['total_params']:,} params, "
         f"{info['optimizer_params']:,} optimizer params on the rank, "
         f"{len(info['inner_optimizers'])} DistributedOptimizer(s), inner "
         f"{', '.join(sorted(set(info['inner_optimizers'])))})"
@@ -183,17 +201,41 @@ def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[s
     }
 
 
-def run_train(case: BenchmarkCase, checkpoint_dir: Path, label: str) -> dict[str, Any]:
-    """Train+save+control phase (see module docstring)."""
+def _rank_info(layout: ParallelLayout | None) -> dict[str, Any]:
+    """``{"rank": coordinates}`` in a multi-rank run; nothing on one rank (results as before)."""
+    if layout is None:
+        return {}
+    from benchmarks.resume_benchmark.runtime import rank_coordinates
+
+    return {"rank": rank_coordinates()}
+
+
+def _gathered(
+    layout: ParallelLayout | None, model_chunks: Any, optimizer: Any
+) -> dict[str, str] | None:
+    """The DP-size-independent fingerprint when the resume is resharded, else ``None``."""
+    if layout is None or not layout.resharded:
+        return None
+    from benchmarks.resume_benchmark.gathered import gathered_fingerprint
+
+    return gathered_fingerprint(model_chunks, optimizer)
+
+
+def run_train(
+    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout | None = None
+) -> dict[str, Any]:
+    """Train+save+control phase (see module docstring); ``layout``: multi-rank runs only."""
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import save_checkpoint
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state
     from benchmarks.resume_benchmark.training import train_step
 
+    who = _who(case, label, layout)
     out: dict[str, Any] = {"phase": "train", "case": case.name, "side": label}
     out["megatron_core"] = megatron_core_info()
-    model_chunks, optimizer, out["model"] = _build(case, label)
+    model_chunks, optimizer, out["model"] = _build(case, label, layout)
+    out.update(_rank_info(layout))
 
     gc.collect()
     torch.cuda.synchronize()
@@ -211,13 +253,13 @@ def run_train(case: BenchmarkCase, checkpoint_dir: Path, label: str) -> dict[str
         "seconds": time.perf_counter() - started,
     }
     progress(
-        f"{case.name}/{label}: trained {case.train_steps} steps "
+        f"{who}: trained {case.train_steps} steps "
         f"(losses {', '.join(format(s['loss'], '.6f') for s in steps)}; "
         f"training peak {out['train']['peak_bytes'] / 2**20:,.1f} MiB)"
     )
 
     progress(
-        f"{case.name}/{label}: saving torch_dist checkpoint ({case.sharding_format}) "
+        f"{who}: saving torch_dist checkpoint ({case.sharding_format}) "
         f"to {checkpoint_dir}"
     )
     started = time.perf_counter()
@@ -230,7 +272,7 @@ def run_train(case: BenchmarkCase, checkpoint_dir: Path, label: str) -> dict[str
             "error": one_line(exc),
             "seconds": time.perf_counter() - started,
         }
-        progress(f"{case.name}/{label}: save FAILED -> unsupported: {one_line(exc)}")
+        progress(f"{who}: save FAILED -> unsupported: {one_line(exc)}")
         return out
     torch.cuda.synchronize()
     out["save"] = {
@@ -240,34 +282,41 @@ def run_train(case: BenchmarkCase, checkpoint_dir: Path, label: str) -> dict[str
         "checkpoint_bytes": _directory_bytes(checkpoint_dir),
     }
     progress(
-        f"{case.name}/{label}: saved {out['save']['checkpoint_bytes'] / 2**20:,.1f} MiB "
+        f"{who}: saved {out['save']['checkpoint_bytes'] / 2**20:,.1f} MiB "
         f"in {out['save']['seconds']:.2f} s; fingerprinting state"
     )
     out["post_save_fingerprint"] = fingerprint_state(model_chunks, optimizer)
+    gathered = _gathered(layout, model_chunks, optimizer)
+    if gathered is not None:
+        out["post_save_gathered_fingerprint"] = gathered
     out["next_step"] = _next_step(case, model_chunks, optimizer)
     progress(
-        f"{case.name}/{label}: control step {case.train_steps + 1} loss "
+        f"{who}: control step {case.train_steps + 1} loss "
         f"{out['next_step']['loss']:.6f}, peak {out['next_step']['peak_bytes'] / 2**20:,.1f} MiB"
     )
     return out
 
 
-def run_resume(case: BenchmarkCase, checkpoint_dir: Path, label: str) -> dict[str, Any]:
-    """Resume phase (see module docstring)."""
+def run_resume(
+    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout | None = None
+) -> dict[str, Any]:
+    """Resume phase (see module docstring); ``layout``: multi-rank runs only."""
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state
 
+    who = _who(case, label, layout)
     out: dict[str, Any] = {"phase": "resume", "case": case.name, "side": label}
     out["megatron_core"] = megatron_core_info()
-    model_chunks, optimizer, out["model"] = _build(case, label)
+    model_chunks, optimizer, out["model"] = _build(case, label, layout)
+    out.update(_rank_info(layout))
 
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
-    progress(f"{case.name}/{label}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
+    progress(f"{who}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
     started = time.perf_counter()
     load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
     torch.cuda.synchronize()
@@ -281,16 +330,19 @@ def run_resume(case: BenchmarkCase, checkpoint_dir: Path, label: str) -> dict[st
         "seconds": seconds,
     }
     progress(
-        f"{case.name}/{label}: loaded in {seconds:.2f} s; load peak {peak / 2**20:,.1f} MiB "
+        f"{who}: loaded in {seconds:.2f} s; load peak {peak / 2**20:,.1f} MiB "
         f"(+{(peak - baseline) / 2**20:,.1f} MiB = "
         f"{(peak - baseline) / max(out['model']['optimizer_params'], 1):.2f} B/param "
         "over baseline); "
         "fingerprinting state"
     )
     out["restored_fingerprint"] = fingerprint_state(model_chunks, optimizer)
+    gathered = _gathered(layout, model_chunks, optimizer)
+    if gathered is not None:
+        out["restored_gathered_fingerprint"] = gathered
     out["next_step"] = _next_step(case, model_chunks, optimizer)
     progress(
-        f"{case.name}/{label}: resumed step {case.train_steps + 1} loss "
+        f"{who}: resumed step {case.train_steps + 1} loss "
         f"{out['next_step']['loss']:.6f}, peak {out['next_step']['peak_bytes'] / 2**20:,.1f} MiB"
     )
     return out
@@ -302,7 +354,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--phase", choices=("probe", "train", "resume"), required=True)
     parser.add_argument("--spec", type=Path, help="JSON: case, side label, checkpoint_dir")
-    parser.add_argument("--result", type=Path, required=True, help="where to write the JSON result")
+    parser.add_argument(
+        "--result",
+        type=Path,
+        required=True,
+        help="where to write the JSON result (multi-rank: each rank writes NAME.rank<r>.json)",
+    )
     return parser.parse_args(argv)
 
 
@@ -319,18 +376,22 @@ def main(argv: list[str] | None = None) -> int:
     case = BenchmarkCase.from_json(spec["case"])
     label = str(spec["side"])
     checkpoint_dir = Path(spec["checkpoint_dir"])
+    layout = ParallelLayout.from_json(spec["parallel"]) if "parallel" in spec else None
+    result_path = args.result
+    if layout is not None:
+        result_path = rank_result_path(args.result, torchrun_rank()[0])
     _configure_logging()
     status = 0
     try:
         if args.phase == "train":
-            out = run_train(case, checkpoint_dir, label)
+            out = run_train(case, checkpoint_dir, label, layout)
         else:
-            out = run_resume(case, checkpoint_dir, label)
+            out = run_resume(case, checkpoint_dir, label, layout)
     except Exception as exc:  # noqa: BLE001 - recorded for the driver, reported by status 1
         traceback.print_exc(file=sys.stdout)
         out = {"phase": args.phase, "case": case.name, "side": label, "error": one_line(exc)}
         status = 1
-    write_json(args.result, out)
+    write_json(result_path, out)
     _shutdown_quietly()
     return status
 

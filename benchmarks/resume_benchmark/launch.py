@@ -1,0 +1,229 @@
+"""Process layout of a run: how many ranks each phase uses, its validation, the worker command.
+
+Pure Python (no torch): the driver and the CPU tests use it on any machine.
+
+With one rank for every phase (the default) nothing changes from the single-rank benchmark:
+each phase is ``python -m benchmarks.resume_benchmark.worker ...`` and writes one result file.
+Otherwise each phase is launched through ``python -m torch.distributed.run --standalone
+--nproc-per-node N -m benchmarks.resume_benchmark.worker ...`` and every rank writes its own
+result file (:func:`rank_result_path`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from benchmarks.resume_benchmark.cases import (
+    MOE_CASE,
+    BenchmarkCase,
+    ModelSize,
+)
+
+#: The worker module every phase runs.
+WORKER_MODULE: Final = "benchmarks.resume_benchmark.worker"
+
+#: Sharding formats whose ``torch_dist`` checkpoint Megatron-Core 0.19.2 can load at another
+#: data-parallel size (see docs/multi-gpu.md for the code paths this is read from):
+#:
+#: * ``fully_reshardable``: model-space tensors, every rank loads and slices its range
+#:   (``DistributedOptimizer.checkpoint_fully_reshardable_formats``; TP/PP may change too);
+#: * ``dp_reshardable``: one ShardedTensor per bucket of global size ``numel_unpadded``; only
+#:   the DP-dependent bucket-end padding is dropped, so the DP size may change (TP/PP may not);
+#: * ``dp_zero_gather_scatter``: unpadded world tensors in one ShardedObject per TP x PP
+#:   rank, scattered on load by DP rank 0 with the *current* DP size (TP/PP may not change).
+DP_RESHARDABLE_FORMATS: Final[frozenset[str]] = frozenset(
+    {"dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter"}
+)
+
+#: Why the remaining format is refused for a resume at another DP size.
+_NOT_DP_RESHARDABLE_WHY: Final[Mapping[str, str]] = {
+    "fully_sharded_model_space": "megatron-core 0.19.2 cannot save it at all "
+    "(CheckpointingException: ShardedTensor.flattened_range is not supported), so there is "
+    "no checkpoint to reshard",
+}
+
+
+class LayoutError(ValueError):
+    """The requested process layout is invalid for the cases or the model size."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Ranks per phase and the model-parallel sizes (pipeline and context parallel are 1).
+
+    ``nproc_per_node`` ranks train, save and run the control; ``resume_nproc_per_node`` ranks
+    run each resume (equal unless the resume is at another data-parallel size).
+    """
+
+    nproc_per_node: int = 1
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    resume_nproc_per_node: int = 1
+
+    @property
+    def is_multi_rank(self) -> bool:
+        """Whether any phase uses ``torch.distributed.run`` (False: today's single-rank path)."""
+        return self.nproc_per_node > 1 or self.resume_nproc_per_node > 1
+
+    @property
+    def resharded(self) -> bool:
+        """Whether the resume runs at a different data-parallel size than the save."""
+        return self.resume_nproc_per_node != self.nproc_per_node
+
+    def data_parallel_size(self, nproc: int) -> int:
+        """Dense data-parallel size at ``nproc`` ranks (world / TP)."""
+        return nproc // self.tensor_model_parallel_size
+
+    def expert_data_parallel_size(self, nproc: int) -> int:
+        """Expert data-parallel size at ``nproc`` ranks: world / (expert TP x EP); eTP = TP."""
+        return nproc // (self.tensor_model_parallel_size * self.expert_model_parallel_size)
+
+    def phase_nproc(self, phase: str) -> int:
+        """Ranks that run ``phase`` (``train`` or ``resume``)."""
+        return self.resume_nproc_per_node if phase == "resume" else self.nproc_per_node
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (worker spec and report settings)."""
+        return {
+            "nproc_per_node": self.nproc_per_node,
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "resume_nproc_per_node": self.resume_nproc_per_node,
+            "data_parallel_size": self.data_parallel_size(self.nproc_per_node),
+            "resume_data_parallel_size": self.data_parallel_size(self.resume_nproc_per_node),
+            "resharded": self.resharded,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ParallelLayout:
+        """Inverse of :meth:`to_json` (derived fields are ignored)."""
+        return cls(
+            nproc_per_node=int(data["nproc_per_node"]),
+            tensor_model_parallel_size=int(data["tensor_model_parallel_size"]),
+            expert_model_parallel_size=int(data["expert_model_parallel_size"]),
+            resume_nproc_per_node=int(data["resume_nproc_per_node"]),
+        )
+
+
+def _check_world(what: str, nproc: int, tp: int, ep: int) -> None:
+    if nproc < 1:
+        raise LayoutError(f"{what} must be at least 1, got {nproc}")
+    if nproc % tp:
+        raise LayoutError(
+            f"{what} {nproc} is not divisible by --tensor-model-parallel-size {tp} "
+            "(Megatron-Core requires world size % (TP x PP x CP) == 0; PP = CP = 1 here)"
+        )
+    if nproc % (tp * ep):
+        raise LayoutError(
+            f"{what} {nproc} is not divisible by TP x EP = {tp} x {ep} = {tp * ep} "
+            "(Megatron-Core requires world size % (expert TP x EP x PP) == 0; expert TP = TP)"
+        )
+
+
+def _check_size(size: ModelSize, tp: int, ep: int, moe: bool) -> None:
+    for name, value in (
+        ("--num-attention-heads", size.num_attention_heads),
+        ("--ffn-hidden-size", size.ffn_hidden_size),
+        ("--vocab-size", size.vocab_size),
+    ):
+        if value % tp:
+            raise LayoutError(
+                f"{name} {value} is not divisible by --tensor-model-parallel-size {tp}"
+            )
+    if moe and size.num_experts % ep:
+        raise LayoutError(
+            f"--num-experts {size.num_experts} is not divisible by "
+            f"--expert-model-parallel-size {ep}"
+        )
+    if moe and size.moe_ffn_hidden_size % tp:
+        raise LayoutError(
+            f"the expert FFN width {size.moe_ffn_hidden_size} (FFN / experts) is not divisible "
+            f"by --tensor-model-parallel-size {tp}"
+        )
+
+
+def _check_cases(layout: ParallelLayout, cases: Sequence[BenchmarkCase]) -> None:
+    ep = layout.expert_model_parallel_size
+    if ep > 1:
+        dense = [c.name for c in cases if not c.moe]
+        if dense:
+            raise LayoutError(
+                f"--expert-model-parallel-size {ep} applies to the {MOE_CASE} case only; "
+                f"drop {', '.join(dense)} from --cases (e.g. --cases {MOE_CASE})"
+            )
+        if any(c.moe_fold_experts for c in cases):
+            raise LayoutError(
+                "--moe-fold-experts cannot be combined with --expert-model-parallel-size > 1 "
+                "(expert-parallel experts always get their own DistributedOptimizer)"
+            )
+    if layout.resharded:
+        for case in cases:
+            refuse_dp_resharding(case.sharding_format, case.name)
+
+
+def refuse_dp_resharding(sharding_format: str, case_name: str) -> None:
+    """Raise :class:`LayoutError` unless ``sharding_format`` may be loaded at another DP size."""
+    if sharding_format in DP_RESHARDABLE_FORMATS:
+        return
+    why = _NOT_DP_RESHARDABLE_WHY.get(sharding_format, "it is not known to be DP-reshardable")
+    raise LayoutError(
+        f"case {case_name}: sharding format {sharding_format} cannot be resumed at another "
+        f"data-parallel size ({why}); --resume-nproc-per-node differing from --nproc-per-node "
+        f"is supported for {', '.join(sorted(DP_RESHARDABLE_FORMATS))}"
+    )
+
+
+def validate_layout(
+    nproc_per_node: int,
+    tensor_model_parallel_size: int,
+    expert_model_parallel_size: int,
+    resume_nproc_per_node: int | None,
+    cases: Sequence[BenchmarkCase],
+    size: ModelSize,
+) -> ParallelLayout:
+    """The :class:`ParallelLayout` for the flags, or :class:`LayoutError` saying what is wrong.
+
+    ``resume_nproc_per_node`` ``None`` means the same as ``nproc_per_node``.
+    """
+    tp, ep = tensor_model_parallel_size, expert_model_parallel_size
+    if tp < 1 or ep < 1:
+        raise LayoutError(
+            f"--tensor-model-parallel-size and --expert-model-parallel-size must be at least 1, "
+            f"got {tp} and {ep}"
+        )
+    resume = nproc_per_node if resume_nproc_per_node is None else resume_nproc_per_node
+    _check_world("--nproc-per-node", nproc_per_node, tp, ep)
+    _check_world("--resume-nproc-per-node", resume, tp, ep)
+    _check_size(size, tp, ep, any(c.moe for c in cases))
+    layout = ParallelLayout(nproc_per_node, tp, ep, resume)
+    _check_cases(layout, cases)
+    return layout
+
+
+def worker_command(
+    python: str,
+    phase: str,
+    result_path: Path,
+    spec_path: Path | None,
+    nproc: int | None,
+) -> list[str]:
+    """The command of one phase.
+
+    ``nproc`` ``None``: one plain process (the single-rank benchmark's exact command).
+    Otherwise ``torch.distributed.run --standalone`` with ``nproc`` ranks on this node.
+    """
+    launcher = [python]
+    if nproc is not None:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    command = [*launcher, "-m", WORKER_MODULE, "--phase", phase, "--result", str(result_path)]
+    if spec_path is not None:
+        command += ["--spec", str(spec_path)]
+    return command
+
+
+def rank_result_path(result_path: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its result: ``X.result.json`` -> ``X.result.rank<r>.json``."""
+    return result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")
