@@ -146,3 +146,100 @@ def test_installed_plugin_is_discovered_through_its_entry_point() -> None:
         pytest.skip("the plugin is not installed (pip install examples/te-precision-aware-adopter)")
     names = [adopter.name for adopter in StateAdopterRegistry().adopters()]
     assert names == ["te_fused_adam_precision_aware"]
+
+
+# --- Payload pass: MCore offers FusedAdam's own state_dict() (FP32 copies of BF16 moments) ---
+
+
+def _loaded(mode: str) -> FusedAdamStandIn:
+    """An optimizer holding state, as after MCore's scaffold pass and the checkpoint read."""
+    optimizer = _optimizer(**MODES[mode])
+    optimizer.load_state_dict(_scaffold(**MODES[mode]))
+    return optimizer
+
+
+def _payload_context(optimizer: FusedAdamStandIn, state_dict: Dict[str, Any]) -> StateAdoptionContext:
+    return StateAdoptionContext(optimizer, state_dict, **_context_kwargs())
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_payload_pass_keeps_the_held_state_and_equals_te_loader(mode: str) -> None:
+    made: List[FusedAdamStandIn] = []
+    held: List[Dict[Any, Dict[str, torch.Tensor]]] = []
+    allocations: List[int] = []
+
+    def make_optimizer() -> FusedAdamStandIn:
+        made.append(_loaded(mode))
+        held.append({p: dict(s) for p, s in made[-1].state.items()})
+        allocations.append(made[-1].allocations)
+        return made[-1]
+
+    avoided = assert_adoption_matches_own_loader(
+        _adopter(), make_optimizer, lambda: made[-1].state_dict(), _context_kwargs()
+    )
+    adopted, by_te = made
+    assert adopted.allocations == allocations[0]  # nothing allocated
+    assert by_te.allocations > allocations[1]  # TE's loader rebuilt every tensor
+    for param, entries in held[0].items():
+        assert all(adopted.state[param][key] is tensor for key, tensor in entries.items())
+    assert avoided == sum(t.nbytes for entries in held[0].values() for t in entries.values())
+
+
+def _changed(state_dict: Dict[str, Any], position: int, key: str, value: float) -> Dict[str, Any]:
+    tensor = state_dict["state"][position][key].clone()
+    tensor.view(-1)[3] = value
+    state_dict["state"][position][key] = tensor
+    return state_dict
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda sd, o: _changed(sd, 1, "exp_avg", 0.123456), "parameter 1: incoming exp_avg differs"),
+        (lambda sd, o: _changed(sd, 2, "master_param", 17), "parameter 2: incoming master_param differs"),
+        (
+            lambda sd, o: sd["state"][0].__setitem__("exp_avg_sq", sd["state"][0]["exp_avg_sq"].double()),
+            "parameter 0: incoming exp_avg_sq is torch.float64, not torch.float32",
+        ),
+        (lambda sd, o: sd["state"][1].pop("master_param"), "parameter 1: the incoming state does not have"),
+        (lambda sd, o: o._scales[o.param_groups[0]["params"][0]]["exp_avg"].fill_(2.0), "scale of exp_avg is not one"),
+        (lambda sd, o: o.state.pop(o.param_groups[0]["params"][2]), "parameter 2: the held state has keys None"),
+    ],
+    ids=["moment differs", "remainder differs", "FP64 incoming", "missing key", "scale not one", "no held state"],
+)
+def test_payload_pass_declines_what_would_change_the_held_state(change: Any, reason: str) -> None:
+    optimizer = _loaded("BF16 params, master remainders")
+    state_dict = optimizer.state_dict()
+    change(state_dict, optimizer)
+    answer = assert_check_is_side_effect_free(_adopter(), _payload_context(optimizer, state_dict))
+    assert answer is not None and reason in answer and "not a scaffold to adopt" in answer, answer
+
+
+def test_payload_pass_compares_the_bits_te_would_store() -> None:
+    """A value below BF16's resolution loads to the same bits (kept); -0.0 over +0.0 does not."""
+    optimizer = _loaded("BF16 params, FP32 master weights")
+    param = optimizer.param_groups[0]["params"][0]
+    optimizer.state[param]["exp_avg"].view(-1)[5] = 0.0
+    held = optimizer.state[param]["exp_avg"]
+    nudged = optimizer.state_dict()
+    value = nudged["state"][0]["exp_avg"].view(-1)[4].item()
+    nudged["state"][0]["exp_avg"].view(-1)[4] = value * (1 + 2**-12)  # rounds back to the held BF16
+    assert _adopter().decline_reason(_payload_context(optimizer, nudged)) is None
+    negative_zero = optimizer.state_dict()
+    negative_zero["state"][0]["exp_avg"].view(-1)[5] = -0.0
+    answer = _adopter().decline_reason(_payload_context(optimizer, negative_zero))
+    assert answer is not None and "parameter 0: incoming exp_avg differs" in answer
+    assert optimizer.state[param]["exp_avg"] is held
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 7, 64, 1 << 22])
+def test_chunked_comparison_finds_a_difference_in_any_chunk(chunk_elements: int) -> None:
+    from mcore_te_precision_aware_adopter.held_state import loads_to_held_bits
+
+    held = torch.rand(100).bfloat16()
+    incoming = held.float()
+    assert loads_to_held_bits(incoming, held, chunk_elements)
+    for position in (0, 63, 99):
+        changed = incoming.clone()
+        changed[position] += 1.0
+        assert not loads_to_held_bits(changed, held, chunk_elements)

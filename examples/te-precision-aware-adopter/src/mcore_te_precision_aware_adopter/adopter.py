@@ -1,19 +1,25 @@
 """Adopter for TE FusedAdam with BF16 moments (Megatron-Core's precision-aware optimizer).
 
-TE's ``FusedAdam.load_state_dict`` upcasts every incoming BF16 moment to an FP32 copy, allocates
-a new BF16 tensor and copies the rounded value back, and copies the master weights (FP32, or
-int16 remainders of BF16 parameters) into new tensors: several transient copies per
-parameter while the caller still holds the incoming state. The values TE ends with are
-exactly the incoming ones (BF16 → FP32 → BF16 is exact). This adopter installs the incoming
-tensors by reference instead.
+Megatron-Core loads the inner optimizer twice while resuming from a ``torch_dist`` checkpoint,
+and TE's ``FusedAdam.load_state_dict`` rebuilds the whole state both times:
 
-It uses only TE's public API: ``initialize_state(param, store_param_remainders)`` lays out each
-parameter's state and TE's per-state scales exactly as TE's loader leaves them, then the
-freshly initialised tensors are replaced by the incoming ones (a transient of one parameter's
-state at a time, instead of the whole state). Anything it cannot prove equal to TE's result is
-declined: FP16/FP8 moments (TE rescales them), non-FP32 master weights, DTensor or quantized
-parameters, load-state-dict hooks, and every non-precision-aware owner (the default FP32
-adopter handles that).
+* **Scaffold pass.** MCore offers freshly allocated BF16 moments and master weights (FP32, or
+  int16 remainders of BF16 parameters). TE upcasts each to an FP32 copy, allocates new
+  tensors and copies the values back — exactly the incoming values. This adopter installs
+  the incoming tensors by reference instead. It uses TE's public
+  ``initialize_state(param, store_param_remainders)`` to lay out each parameter's state and
+  TE's per-state scales exactly as TE's loader leaves them, then replaces the freshly
+  initialised tensors by the incoming ones (a transient of one parameter's state at a time).
+* **Payload pass.** MCore offers FusedAdam's own ``state_dict()``: FP32 copies of the BF16
+  moments and the held master tensors. TE's loader casts all of it to new tensors (one more
+  state shard at the load peak) and ends with the bits it already held. When every incoming
+  value provably loads to the held bits (compared chunk by chunk), this adopter keeps the
+  held state and only installs the param groups.
+
+Anything it cannot prove equal to TE's result is declined: FP16/FP8 moments (TE rescales
+them), non-FP32 master weights, DTensor or quantized parameters, load-state-dict hooks, any
+incoming value that differs from the held state in the payload pass, and every
+non-precision-aware owner (the default FP32 adopter handles that).
 """
 
 from typing import Any, Mapping, Optional
@@ -31,11 +37,13 @@ from megatron.core.optimizer.state_adoption.validation import (
     param_state_pairs,
 )
 
+from .held_state import held_state_decline_reason
+
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class TEFusedAdamPrecisionAwareStateAdopter:
-    """Installs BF16 moments and TE master weights into TE FusedAdam by reference.
+    """Installs BF16 moments and TE master weights by reference, or keeps the equal held state.
 
     Args:
         fused_adam_class (type, optional): the FusedAdam class to recognise; defaults to TE's
@@ -64,47 +72,70 @@ class TEFusedAdamPrecisionAwareStateAdopter:
             Optional[str]: None to accept, otherwise why TE's loader should run.
         """
         optimizer = context.optimizer
-        return first_decline_reason(
+        reason = first_decline_reason(
             (
                 lambda: owner_decline_reason(context, precision_aware=True),
                 lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
                 # Post-hooks are declined too: adopt() runs PyTorch's loader without the state.
                 lambda: load_pre_hooks_decline_reason(optimizer, allow_post_hooks=False),
                 lambda: _settings_decline_reason(optimizer),
-                lambda: incoming_state_decline_reason(
-                    optimizer,
-                    context.state_dict,
-                    self._param_decline_reason,
-                    lambda param: _expected_state(optimizer, param),
-                ),
             )
         )
+        if reason is not None:
+            return reason
+        scaffold_reason = self._scaffold_decline_reason(context)
+        if scaffold_reason is None:
+            return None
+        held_reason = held_state_decline_reason(
+            optimizer,
+            context.state_dict,
+            self._param_decline_reason,
+            lambda param: _expected_state(optimizer, param),
+        )
+        if held_reason is None:
+            return None
+        return f"not a scaffold to adopt ({scaffold_reason}); not the held state ({held_reason})"
 
     def adopt(self, context: StateAdoptionContext) -> int:
-        """Install groups with PyTorch's loader, then each parameter's state by reference.
+        """Install the scaffold by reference, or keep the held state it equals.
 
         Args:
             context (StateAdoptionContext): a context this adopter accepted.
 
         Returns:
-            int: bytes of state installed by reference, which TE would have copied.
+            int: bytes of state TE's loader would have allocated anew.
         """
         optimizer: Any = context.optimizer  # TE FusedAdam (checked); its attributes are untyped
         pairs = list(param_state_pairs(optimizer, context.state_dict))
+        adopts_scaffold = self._scaffold_decline_reason(context) is None
+        held = {} if adopts_scaffold else {param: optimizer.state[param] for _, param, _ in pairs}
         # PyTorch's loader would cast master weights to the BF16 parameter dtype, so it only
         # installs the param groups here (hyper-parameters and TE's per-group 'step').
         groups = list(context.state_dict["param_groups"])
         torch.optim.Optimizer.load_state_dict(optimizer, {"state": {}, "param_groups": groups})
-        adopted_bytes = 0
+        installed_bytes = 0
         for _, param, incoming in pairs:
-            keeps_remainders = bool(optimizer.store_param_remainders) and param.dtype == torch.bfloat16
-            optimizer.state[param] = {}
-            optimizer.initialize_state(param, keeps_remainders)
-            state = optimizer.state[param]
-            for key, tensor in incoming.items():
-                state[key] = tensor
-                adopted_bytes += tensor.nbytes
-        return adopted_bytes
+            if adopts_scaffold:
+                keeps_remainders = (
+                    bool(optimizer.store_param_remainders) and param.dtype == torch.bfloat16
+                )
+                optimizer.state[param] = {}
+                optimizer.initialize_state(param, keeps_remainders)
+                optimizer.state[param].update(incoming)
+            else:
+                optimizer.state[param] = held[param]
+            installed_bytes += sum(t.nbytes for t in optimizer.state[param].values())
+        return installed_bytes
+
+    def _scaffold_decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        """None if the incoming tensors have the held dtypes and can be installed by reference."""
+        optimizer = context.optimizer
+        return incoming_state_decline_reason(
+            optimizer,
+            context.state_dict,
+            self._param_decline_reason,
+            lambda param: _expected_state(optimizer, param),
+        )
 
     def _param_decline_reason(self, param: torch.Tensor) -> Optional[str]:
         """Accept plain floating-point parameters on the expected device type."""
