@@ -14,6 +14,8 @@ Layout (one concern per module):
 * :mod:`.rank_summary` -- per-rank results of one multi-rank case -> its report entry.
 * :mod:`.gathered` -- DP-size-independent fingerprint for a resume at another DP size.
 * :mod:`.worker` -- one phase (probe, train+save+control, resume) in one process.
+* :mod:`.adoption` -- the registered state adopters and which one installed the state during a
+  resume's load (log records of the state-adoption loader; no torch import).
 * :mod:`.cases` -- model sizes, presets and the measured cases (no torch import).
 * :mod:`.runtime` -- ``torch.distributed``/Megatron initialisation (one rank or a ``torchrun``
   rank) and determinism.

@@ -6,7 +6,7 @@ This module imports neither torch nor Megatron, so the driver can use it on any 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -29,6 +29,27 @@ CASE_NAMES: Final[tuple[str, ...]] = (*SHARDING_FORMATS, MOE_CASE, PRECISION_AWA
 
 #: One FP32 ``exp_avg`` plus one FP32 ``exp_avg_sq`` element: what the build avoids per parameter.
 FP32_MOMENT_PAIR_BYTES: Final = 8
+
+#: The state adopters the ``+stateadoption`` build registers by itself (no plugin installed).
+#: The expected savings assume exactly these; any other one on the build side (an opt-in plugin
+#: such as ``te_fused_adam_precision_aware``) makes the saving measured, not predicted.
+DEFAULT_ADOPTERS: Final[tuple[str, ...]] = ("te_fused_adam_fp32",)
+
+
+def extra_adopters(adopters: Iterable[str] | None) -> tuple[str, ...]:
+    """The adopters in ``adopters`` beyond :data:`DEFAULT_ADOPTERS`, in order, without repeats.
+
+    ``None`` (not recorded, or no state-adoption subsystem) has none.
+    """
+    return tuple(dict.fromkeys(a for a in adopters or () if a not in DEFAULT_ADOPTERS))
+
+
+def unpredicted_saving_note(extra: Iterable[str]) -> str:
+    """Why a case has no expected saving: the extra adopters on the build side."""
+    return (
+        f"not predicted: adopters {', '.join(extra)} registered on the build side; "
+        "the saving is measured, not predicted"
+    )
 
 
 @dataclass(frozen=True)
@@ -109,6 +130,14 @@ class BenchmarkCase:
     def expected_saving_bytes_per_param(self) -> int:
         """Bytes per optimizer parameter the build should avoid versus upstream at load time."""
         return 0 if self.precision_aware else FP32_MOMENT_PAIR_BYTES
+
+    def expected_saving_given(self, build_adopters: Iterable[str] | None) -> int | None:
+        """:attr:`expected_saving_bytes_per_param` when the build side registered only
+        :data:`DEFAULT_ADOPTERS` (or did not record its adopters); None (not predicted) when it
+        registered others."""
+        if extra_adopters(build_adopters):
+            return None
+        return self.expected_saving_bytes_per_param
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable form, read back by :meth:`from_json`."""

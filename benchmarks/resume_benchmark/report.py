@@ -1,4 +1,10 @@
-"""The benchmark's Markdown table and JSON document."""
+"""The benchmark's Markdown table and JSON document.
+
+The ``state installed by`` column (which adopter, or the optimizer's own loader, installed the
+state on each resume side) and the registered-adopters line appear only when some resume side
+recorded ``state_adoption`` (:mod:`.adoption`); documents from before that field render as they
+always did, and rows without it show "—" next to rows that have it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.resume_benchmark.adoption import adopters_text, installed_by_text
 from benchmarks.resume_benchmark.rank_summary import is_multi_rank_entry
 
 MIB = float(1 << 20)
@@ -25,12 +32,20 @@ _COLUMNS = (
     "B/param over baseline",
     "avoided vs upstream MiB",
     "avoided ÷ (8 B × params)",
+    "state installed by",
     "train peak MiB (steps 1–N)",
     "step N+1 peak MiB",
     "load s",
     "restored state equal",
     "next step equal",
 )
+
+
+#: Index of ``state installed by`` in :data:`_COLUMNS` (and in every row before its rank cell).
+_ADOPTION_AT = _COLUMNS.index("state installed by")
+
+#: The ratio cell of a build row whose saving is not predicted.
+NOT_PREDICTED = "not predicted (extra adopters)"
 
 
 def _mib(value: Any) -> str:
@@ -74,7 +89,7 @@ def _failed_control_cells(
         control.get("megatron_core", {}).get("version", _DASH),
         _DASH if params is None else f"{params:,}",
         entry.get("detail") or entry["status"],
-        *([_DASH] * 5),
+        *([_DASH] * 6),
         _mib(control.get("train_peak_bytes")),
         *([_DASH] * 4),
     ]
@@ -87,7 +102,7 @@ def _control_cells(name: str, control: Mapping[str, Any], params: int) -> list[A
         "control (uninterrupted)",
         control["megatron_core"]["version"],
         f"{params:,}",
-        *([_DASH] * 6),
+        *([_DASH] * 7),
         _mib(control["train_peak_bytes"]),
         _mib(control.get("next_step_peak_bytes")),
         _DASH,
@@ -110,9 +125,7 @@ def _side_cells(
     """
     if side["status"] != "ok":
         status = side["status"] + (f": {side['error']}" if side.get("error") else "")
-        return [name, label, _DASH, _DASH, status, *([_DASH] * 10)]
-    ratio = saving.get("bytes_avoided_ratio") if saving is not None else None
-    expected_zero = saving is not None and saving.get("expected_bytes_avoided") == 0
+        return [name, label, _DASH, _DASH, status, *([_DASH] * 11)]
     return [
         name,
         label,
@@ -123,13 +136,42 @@ def _side_cells(
         _mib(side["load_over_baseline_bytes"]),
         f"{side['load_over_baseline_bytes_per_param']:.2f}",
         _mib(saving.get("bytes_avoided")) if saving is not None else _DASH,
-        "expected 0" if expected_zero else (f"{ratio:.4f}" if ratio is not None else _DASH),
+        _ratio_cell(saving, side["params_on_rank"]),
+        _installed_cell(side),
         _DASH,
         _mib(side["next_step_peak_bytes"]),
         f"{side['load_seconds']:.2f}",
         _yes(side["restored_state_equal"]) + equal_notes[0],
         _yes(side["next_step_equal"]) + equal_notes[1],
     ]
+
+
+def _ratio_cell(saving: Mapping[str, Any] | None, params: int) -> str:
+    """Avoided ÷ expected; ``expected 0``; or, not predicted, the bytes avoided per parameter."""
+    if saving is None:
+        return _DASH
+    if "bytes_avoided" in saving and saving.get("expected_bytes_avoided") is None:
+        per_param = f"{saving['bytes_avoided'] / params:.2f}" if params else _DASH
+        return f"{NOT_PREDICTED}; avoided {per_param} B/param"
+    if saving.get("expected_bytes_avoided") == 0:
+        return "expected 0"
+    ratio = saving.get("bytes_avoided_ratio")
+    return f"{ratio:.4f}" if ratio is not None else _DASH
+
+
+def _installed_cell(side: Mapping[str, Any]) -> str:
+    """Who installed the state on this resume side, e.g. ``te_fused_adam_fp32 ×2``.
+
+    "—" without events (upstream, results from before the field); a multi-rank build rank
+    other than 0 says that only rank 0 logs.
+    """
+    record = side.get("state_adoption")
+    text = installed_by_text(record)
+    if text is not None:
+        return text
+    if record and record.get("adopters") is not None and side.get("rank", 0) != 0:
+        return f"{_DASH} (logged on rank 0)"
+    return _DASH
 
 
 def _multi_rank_name(entry: Mapping[str, Any]) -> str:
@@ -180,12 +222,59 @@ def _with_rank(cells: list[Any], rank: Any) -> list[Any]:
     return [*cells[:2], rank, *cells[2:]]
 
 
-def _entry_rows(entry: Mapping[str, Any], with_rank: bool) -> list[str]:
+def _without(cells: list[Any], index: int) -> list[Any]:
+    return [*cells[:index], *cells[index + 1 :]]
+
+
+def _entry_rows(entry: Mapping[str, Any], with_rank: bool, with_adoption: bool) -> list[str]:
     """Markdown rows of one entry; single-rank entries get rank 0 in a table with ranks."""
     if is_multi_rank_entry(entry):
-        return [_row(cells) for cells in _multi_rank_cells(entry)]
-    cells = _case_cells(entry)
-    return [_row(_with_rank(c, 0) if with_rank else c) for c in cells]
+        rows = _multi_rank_cells(entry)
+    else:
+        rows = [_with_rank(c, 0) if with_rank else c for c in _case_cells(entry)]
+    if not with_adoption:
+        rows = [_without(c, _ADOPTION_AT + (1 if with_rank else 0)) for c in rows]
+    return [_row(cells) for cells in rows]
+
+
+def _resume_sides(entry: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """``(side label, side record)`` of every resume side (every rank) of one entry."""
+    if "rank_sides" in entry:
+        return [(label, s) for label, per_rank in entry["rank_sides"].items() for s in per_rank]
+    return list((entry.get("sides") or {}).items())
+
+
+def _shows_adoption(cases: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any resume side recorded ``state_adoption`` (the column and line appear)."""
+    return any("state_adoption" in s for e in cases for _, s in _resume_sides(e))
+
+
+def _adoption_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The registered adopters per side (with the cases when runs differ) and the cases whose
+    saving is not predicted."""
+    registered: dict[str, dict[str, list[str]]] = {}
+    for entry in cases:
+        for label, side in _resume_sides(entry):
+            if "state_adoption" in side:
+                text = adopters_text(side["state_adoption"].get("adopters"))
+                names = registered.setdefault(label, {}).setdefault(text, [])
+                if entry["case"] not in names:
+                    names.append(entry["case"])
+    parts = []
+    for label, texts in registered.items():
+        if len(texts) == 1:
+            parts.append(f"{label}: {next(iter(texts))}")
+        else:
+            parts.append(
+                f"{label}: " + "; ".join(f"{t} ({', '.join(c)})" for t, c in texts.items())
+            )
+    lines = ["- state adopters registered at resume: " + "; ".join(parts)] if parts else []
+    notes: dict[str, list[str]] = {}
+    for entry in cases:
+        if entry.get("expected_saving_note"):
+            notes.setdefault(entry["expected_saving_note"], []).append(entry["case"])
+    lines += [f"- expected saving of {', '.join(c)}: {note}." for note, c in notes.items()]
+    return lines
 
 
 def _ranks_text(settings: Mapping[str, Any]) -> str:
@@ -237,16 +326,19 @@ def markdown_report(document: Mapping[str, Any]) -> str:
         "`max_memory_allocated()` over the whole load; expected saving = 8 B × parameters on the "
         "rank (one FP32 Adam moment pair), 0 for the precision-aware fallback.",
     ]
+    with_adoption = _shows_adoption(document["cases"])
+    lines += _adoption_lines(document["cases"])
     if settings.get("dev_mode_build_is_not_stateadoption"):
         lines.append(
             "- **WARNING: development mode -- the build side is NOT the +stateadoption build; "
             "the comparison measures nothing about the product.**"
         )
     with_rank = any(is_multi_rank_entry(e) for e in document["cases"])
-    columns = _with_rank(list(_COLUMNS), "rank") if with_rank else list(_COLUMNS)
+    columns = list(_COLUMNS) if with_adoption else _without(list(_COLUMNS), _ADOPTION_AT)
+    columns = _with_rank(columns, "rank") if with_rank else columns
     lines += ["", _row(columns), _row(["---"] * len(columns))]
     for entry in document["cases"]:
-        lines += _entry_rows(entry, with_rank)
+        lines += _entry_rows(entry, with_rank, with_adoption)
     lines.append("")
     return "\n".join(lines)
 

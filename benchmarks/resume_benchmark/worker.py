@@ -20,7 +20,9 @@ Phases:
 * ``train`` (train+save+control): build, train ``case.train_steps`` steps (training peak), save a
   ``torch_dist`` checkpoint, fingerprint the state, run step N+1 (the uninterrupted control).
 * ``resume``: build, load the checkpoint (timed; load peak over the pre-load baseline),
-  fingerprint the restored state, run step N+1 (training peak, loss, fingerprint).
+  fingerprint the restored state, run step N+1 (training peak, loss, fingerprint). Also records
+  ``state_adoption`` (:mod:`.adoption`): the registered state adopters and which one installed
+  each inner optimizer's state during the load (the loader logs on global rank 0 only).
 
 Each phase writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
 that cannot be saved is a result, not a failure), 1 when it failed (the result file then holds
@@ -43,6 +45,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.resume_benchmark.adoption import (
+    adopters_text,
+    installed_by_text,
+    recording_adoption_events,
+    registered_adopter_names,
+)
 from benchmarks.resume_benchmark.cases import BenchmarkCase
 from benchmarks.resume_benchmark.launch import ParallelLayout, rank_result_path
 from benchmarks.resume_benchmark.results import one_line, progress, read_json, write_json
@@ -311,6 +319,7 @@ def run_resume(
     out["megatron_core"] = megatron_core_info()
     model_chunks, optimizer, out["model"] = _build(case, label, layout)
     out.update(_rank_info(layout))
+    adopters = registered_adopter_names()  # loads plugin entry points before the measurement
 
     gc.collect()
     torch.cuda.synchronize()
@@ -318,8 +327,9 @@ def run_resume(
     baseline = torch.cuda.memory_allocated()
     progress(f"{who}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
     started = time.perf_counter()
-    load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
-    torch.cuda.synchronize()
+    with recording_adoption_events() as events:
+        load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated()
     gc.collect()
@@ -329,6 +339,11 @@ def run_resume(
         "post_load_allocated_bytes": torch.cuda.memory_allocated(),
         "seconds": seconds,
     }
+    out["state_adoption"] = {"adopters": adopters, "events": events}
+    progress(
+        f"{who}: state adopters registered: {adopters_text(adopters)}; state installed by: "
+        f"{installed_by_text(out['state_adoption']) or 'nothing logged'}"
+    )
     progress(
         f"{who}: loaded in {seconds:.2f} s; load peak {peak / 2**20:,.1f} MiB "
         f"(+{(peak - baseline) / 2**20:,.1f} MiB = "

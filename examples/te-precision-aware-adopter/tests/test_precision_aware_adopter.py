@@ -151,10 +151,16 @@ def test_installed_plugin_is_discovered_through_its_entry_point() -> None:
 # --- Payload pass: MCore offers FusedAdam's own state_dict() (FP32 copies of BF16 moments) ---
 
 
-def _loaded(mode: str) -> FusedAdamStandIn:
+def _loaded(mode: str, seed: int = 1) -> FusedAdamStandIn:
     """An optimizer holding state, as after MCore's scaffold pass and the checkpoint read."""
     optimizer = _optimizer(**MODES[mode])
-    optimizer.load_state_dict(_scaffold(**MODES[mode]))
+    scaffold = _scaffold(**MODES[mode])
+    generator = torch.Generator().manual_seed(seed)
+    for entry in scaffold["state"].values():
+        for key, tensor in entry.items():
+            if tensor.is_floating_point():
+                entry[key] = torch.rand(tensor.shape, generator=generator).to(tensor.dtype)
+    optimizer.load_state_dict(scaffold)
     return optimizer
 
 
@@ -162,52 +168,80 @@ def _payload_context(optimizer: FusedAdamStandIn, state_dict: Dict[str, Any]) ->
     return StateAdoptionContext(optimizer, state_dict, **_context_kwargs())
 
 
+def _with_bf16_bits(optimizer: FusedAdamStandIn, bits: List[int]) -> FusedAdamStandIn:
+    """Write raw BF16 bit patterns (e.g. a NaN with a payload) into the first held moment."""
+    param = optimizer.param_groups[0]["params"][0]
+    held = optimizer.state[param]["exp_avg"].view(torch.int16).view(-1)
+    held[: len(bits)] = torch.tensor(bits, dtype=torch.int32).to(torch.int16)
+    return optimizer
+
+
+PAYLOADS = {
+    "its own state_dict()": lambda made, mode: made[-1].state_dict(),
+    "another run's values": lambda made, mode: _loaded(mode, seed=9).state_dict(),
+    "NaN payloads and -0.0 held": lambda made, mode: made[-1].state_dict(),
+}
+
+
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_payload_pass_keeps_the_held_state_and_equals_te_loader(mode: str) -> None:
+def test_payload_pass_loads_into_the_held_state_as_te_loader_would(mode: str, payload: str) -> None:
     made: List[FusedAdamStandIn] = []
     held: List[Dict[Any, Dict[str, torch.Tensor]]] = []
     allocations: List[int] = []
 
     def make_optimizer() -> FusedAdamStandIn:
         made.append(_loaded(mode))
+        if payload.startswith("NaN"):  # TE stores value.bfloat16(): NaNs become canonical
+            _with_bf16_bits(made[-1], [0x7F81, 0xFFC1, 0x7F80, -0x8000])
         held.append({p: dict(s) for p, s in made[-1].state.items()})
         allocations.append(made[-1].allocations)
         return made[-1]
 
     avoided = assert_adoption_matches_own_loader(
-        _adopter(), make_optimizer, lambda: made[-1].state_dict(), _context_kwargs()
+        _adopter(), make_optimizer, lambda: PAYLOADS[payload](made, mode), _context_kwargs()
     )
-    adopted, by_te = made
+    adopted, by_te = made[0], made[-1]
     assert adopted.allocations == allocations[0]  # nothing allocated
-    assert by_te.allocations > allocations[1]  # TE's loader rebuilt every tensor
-    for param, entries in held[0].items():
-        assert all(adopted.state[param][key] is tensor for key, tensor in entries.items())
+    assert by_te.allocations > allocations[-1]  # TE's loader re-allocated every tensor
+    for param, entries in held[0].items():  # BF16 moments stored into the held tensors
+        assert all(adopted.state[param][key] is entries[key] for key in ("exp_avg", "exp_avg_sq"))
     assert avoided == sum(t.nbytes for entries in held[0].values() for t in entries.values())
+    if payload.startswith("NaN"):
+        first = adopted.state[adopted.param_groups[0]["params"][0]]["exp_avg"].view(torch.int16)
+        assert first[2:4].tolist() == [0x7F80, -0x8000]  # inf and -0.0 kept; NaNs as TE stores them
 
 
-def _changed(state_dict: Dict[str, Any], position: int, key: str, value: float) -> Dict[str, Any]:
-    tensor = state_dict["state"][position][key].clone()
-    tensor.view(-1)[3] = value
-    state_dict["state"][position][key] = tensor
-    return state_dict
+def _aliasing_held(sd: Dict[str, Any], o: FusedAdamStandIn) -> None:
+    held = o.state[o.param_groups[0]["params"][2]]["master_param"]
+    sd["state"][2]["master_param"] = held.view(held.shape)  # same storage, another tensor
 
 
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (lambda sd, o: _changed(sd, 1, "exp_avg", 0.123456), "parameter 1: incoming exp_avg differs"),
-        (lambda sd, o: _changed(sd, 2, "master_param", 17), "parameter 2: incoming master_param differs"),
         (
             lambda sd, o: sd["state"][0].__setitem__("exp_avg_sq", sd["state"][0]["exp_avg_sq"].double()),
             "parameter 0: incoming exp_avg_sq is torch.float64, not torch.float32",
         ),
+        (
+            lambda sd, o: sd["state"][1].__setitem__("exp_avg", sd["state"][1]["exp_avg"][:-1]),
+            "parameter 1: incoming exp_avg has shape",
+        ),
         (lambda sd, o: sd["state"][1].pop("master_param"), "parameter 1: the incoming state does not have"),
+        (_aliasing_held, "parameter 2: incoming master_param shares storage with a held state tensor"),
         (lambda sd, o: o._scales[o.param_groups[0]["params"][0]]["exp_avg"].fill_(2.0), "scale of exp_avg is not one"),
         (lambda sd, o: o.state.pop(o.param_groups[0]["params"][2]), "parameter 2: the held state has keys None"),
+        (
+            lambda sd, o: o.state[o.param_groups[0]["params"][1]].__setitem__(
+                "exp_avg", o.state[o.param_groups[0]["params"][1]]["exp_avg"].float()
+            ),
+            "parameter 1: held exp_avg is torch.float32, not torch.bfloat16",
+        ),
     ],
-    ids=["moment differs", "remainder differs", "FP64 incoming", "missing key", "scale not one", "no held state"],
+    ids=["FP64 incoming", "wrong shape", "missing key", "overlaps held", "scale not one", "no held state", "FP32 held"],
 )
-def test_payload_pass_declines_what_would_change_the_held_state(change: Any, reason: str) -> None:
+def test_payload_pass_declines_what_te_would_lay_out_differently(change: Any, reason: str) -> None:
     optimizer = _loaded("BF16 params, master remainders")
     state_dict = optimizer.state_dict()
     change(state_dict, optimizer)
@@ -215,31 +249,19 @@ def test_payload_pass_declines_what_would_change_the_held_state(change: Any, rea
     assert answer is not None and reason in answer and "not a scaffold to adopt" in answer, answer
 
 
-def test_payload_pass_compares_the_bits_te_would_store() -> None:
-    """A value below BF16's resolution loads to the same bits (kept); -0.0 over +0.0 does not."""
-    optimizer = _loaded("BF16 params, FP32 master weights")
-    param = optimizer.param_groups[0]["params"][0]
-    optimizer.state[param]["exp_avg"].view(-1)[5] = 0.0
-    held = optimizer.state[param]["exp_avg"]
-    nudged = optimizer.state_dict()
-    value = nudged["state"][0]["exp_avg"].view(-1)[4].item()
-    nudged["state"][0]["exp_avg"].view(-1)[4] = value * (1 + 2**-12)  # rounds back to the held BF16
-    assert _adopter().decline_reason(_payload_context(optimizer, nudged)) is None
-    negative_zero = optimizer.state_dict()
-    negative_zero["state"][0]["exp_avg"].view(-1)[5] = -0.0
-    answer = _adopter().decline_reason(_payload_context(optimizer, negative_zero))
-    assert answer is not None and "parameter 0: incoming exp_avg differs" in answer
-    assert optimizer.state[param]["exp_avg"] is held
-
-
 @pytest.mark.parametrize("chunk_elements", [1, 7, 64, 1 << 22])
-def test_chunked_comparison_finds_a_difference_in_any_chunk(chunk_elements: int) -> None:
-    from mcore_te_precision_aware_adopter.held_state import loads_to_held_bits
+def test_chunked_store_equals_te_conversion(chunk_elements: int) -> None:
+    from mcore_te_precision_aware_adopter.held_state import store_as_te_loads
 
-    held = torch.rand(100).bfloat16()
-    incoming = held.float()
-    assert loads_to_held_bits(incoming, held, chunk_elements)
-    for position in (0, 63, 99):
-        changed = incoming.clone()
-        changed[position] += 1.0
-        assert not loads_to_held_bits(changed, held, chunk_elements)
+    incoming = torch.randn(100) * 1e3
+    incoming[::9] = float("nan")
+    for dtype in (torch.bfloat16, torch.float32):
+        expected = torch.empty(100, dtype=dtype).copy_(incoming.bfloat16() if dtype == torch.bfloat16 else incoming)
+        held = torch.zeros(100, dtype=dtype)
+        store_as_te_loads(incoming, held, chunk_elements)
+        assert torch.equal(held.view(torch.uint8), expected.view(torch.uint8))
+    remainders = torch.randint(-(2**15), 2**15 - 1, (100,), dtype=torch.int16)
+    store_as_te_loads(remainders, remainders, chunk_elements)  # the held tensor itself: untouched
+    held = torch.zeros(100, dtype=torch.int16)
+    store_as_te_loads(remainders, held, chunk_elements)
+    assert torch.equal(held, remainders)

@@ -11,14 +11,14 @@ and TE's ``FusedAdam.load_state_dict`` rebuilds the whole state both times:
   TE's per-state scales exactly as TE's loader leaves them, then replaces the freshly
   initialised tensors by the incoming ones (a transient of one parameter's state at a time).
 * **Payload pass.** MCore offers FusedAdam's own ``state_dict()``: FP32 copies of the BF16
-  moments and the held master tensors. TE's loader casts all of it to new tensors (one more
-  state shard at the load peak) and ends with the bits it already held. When every incoming
-  value provably loads to the held bits (compared chunk by chunk), this adopter keeps the
-  held state and only installs the param groups.
+  moments and the held master tensors. TE's loader casts all of it to a whole new state (one
+  more state shard at the load peak). This adopter stores TE's conversion of each FP32 moment
+  into the BF16 tensor already held and installs master tensors by reference (see
+  ``held_state``): the same bits, no new state.
 
 Anything it cannot prove equal to TE's result is declined: FP16/FP8 moments (TE rescales
-them), non-FP32 master weights, DTensor or quantized parameters, load-state-dict hooks, any
-incoming value that differs from the held state in the payload pass, and every
+them), non-FP32 master weights, DTensor or quantized parameters, load-state-dict hooks, a
+held state TE would lay out differently, incoming tensors overlapping held ones, and every
 non-precision-aware owner (the default FP32 adopter handles that).
 """
 
@@ -37,13 +37,13 @@ from megatron.core.optimizer.state_adoption.validation import (
     param_state_pairs,
 )
 
-from .held_state import held_state_decline_reason
+from .held_state import held_state_decline_reason, load_into_held_state
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class TEFusedAdamPrecisionAwareStateAdopter:
-    """Installs BF16 moments and TE master weights by reference, or keeps the equal held state.
+    """Installs BF16 moments and TE master weights by reference, or loads into the held state.
 
     Args:
         fused_adam_class (type, optional): the FusedAdam class to recognise; defaults to TE's
@@ -94,10 +94,10 @@ class TEFusedAdamPrecisionAwareStateAdopter:
         )
         if held_reason is None:
             return None
-        return f"not a scaffold to adopt ({scaffold_reason}); not the held state ({held_reason})"
+        return f"not a scaffold to adopt ({scaffold_reason}); cannot load into the held state ({held_reason})"
 
     def adopt(self, context: StateAdoptionContext) -> int:
-        """Install the scaffold by reference, or keep the held state it equals.
+        """Install the scaffold by reference, or store the payload into the held state.
 
         Args:
             context (StateAdoptionContext): a context this adopter accepted.
@@ -122,9 +122,10 @@ class TEFusedAdamPrecisionAwareStateAdopter:
                 optimizer.state[param] = {}
                 optimizer.initialize_state(param, keeps_remainders)
                 optimizer.state[param].update(incoming)
+                installed_bytes += sum(t.nbytes for t in incoming.values())
             else:
                 optimizer.state[param] = held[param]
-            installed_bytes += sum(t.nbytes for t in optimizer.state[param].values())
+                installed_bytes += load_into_held_state(held[param], incoming)
         return installed_bytes
 
     def _scaffold_decline_reason(self, context: StateAdoptionContext) -> Optional[str]:

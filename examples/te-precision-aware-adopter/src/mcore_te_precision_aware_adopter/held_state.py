@@ -1,13 +1,14 @@
-"""Whether an incoming state dict is, bit for bit, the state FusedAdam already holds.
+"""Load MCore's payload pass into the tensors FusedAdam already holds, exactly as TE would.
 
 Megatron-Core's second load pass hands FusedAdam its own ``state_dict()``: TE returns every
 BF16 moment as an FP32 copy and the master weights (FP32, or int16 remainders) as the held
-tensors themselves. TE's loader then rebuilds the whole state from it — new BF16 tensors with
-the rounded values, new master tensors with copied values — although the result equals what
-it already holds. These checks prove that equality without allocating more than one chunk.
+tensors themselves. TE's loader then allocates a whole new state -- one more state shard at the
+load peak -- and stores each value with ``copy_(value.bfloat16())`` (BF16 states) or
+``copy_(value)`` (FP32 and int16 states). Storing the same conversions, chunk by chunk, into
+the held tensors gives the same bits without the new state.
 """
 
-from typing import Any, Callable, Mapping, Optional, Set
+from typing import Any, Callable, Dict, Mapping, Optional, Set
 
 import torch
 
@@ -19,15 +20,30 @@ from megatron.core.optimizer.state_adoption.validation import (
     storage_ptr,
 )
 
-#: Elements compared per chunk: bounds the comparison's transient memory (12 MiB for FP32→BF16).
-COMPARE_CHUNK_ELEMENTS = 1 << 22
+#: Elements converted per chunk: bounds the transient of a BF16 store to 8 MiB.
+STORE_CHUNK_ELEMENTS = 1 << 22
 
-_SAME_WIDTH_INTEGER = {
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.int16,
-    torch.int16: torch.int16,
-    torch.float32: torch.int32,
-}
+
+def load_into_held_state(held: Dict[str, torch.Tensor], incoming: Mapping[str, torch.Tensor]) -> int:
+    """Load one parameter's accepted payload: convert into BF16 states, install the rest.
+
+    An incoming tensor of the held dtype (FP32 master weights, int16 remainders) is installed
+    by reference -- for MCore's payload pass it is the held tensor itself; an FP32 value for a
+    BF16 state is stored into the held tensor with TE's conversion.
+
+    Args:
+        held (Dict[str, torch.Tensor]): the parameter's state dict, updated in place.
+        incoming (Mapping[str, torch.Tensor]): its checked incoming state.
+
+    Returns:
+        int: bytes of state TE's loader would have allocated for this parameter.
+    """
+    for key, value in incoming.items():
+        if value.dtype == held[key].dtype:
+            held[key] = value
+        else:
+            store_as_te_loads(value, held[key])
+    return sum(tensor.nbytes for tensor in held.values())
 
 
 def incoming_dtype_for(held_dtype: torch.dtype) -> torch.dtype:
@@ -35,32 +51,29 @@ def incoming_dtype_for(held_dtype: torch.dtype) -> torch.dtype:
     return torch.int16 if held_dtype == torch.int16 else torch.float32
 
 
-def loads_to_held_bits(
-    incoming: torch.Tensor, held: torch.Tensor, chunk_elements: int = COMPARE_CHUNK_ELEMENTS
-) -> bool:
-    """Whether TE's loader, given ``incoming``, would store exactly the bits of ``held``.
+def store_as_te_loads(
+    incoming: torch.Tensor, held: torch.Tensor, chunk_elements: int = STORE_CHUNK_ELEMENTS
+) -> None:
+    """Store ``incoming`` into ``held`` with the conversion TE's loader applies.
 
-    TE stores an FP32 value into a BF16 state with ``copy_(value.bfloat16())`` (round to
-    nearest even) and an FP32 or int16 value into a state of the same dtype unchanged.
+    BF16 states get ``value.bfloat16()`` (round to nearest even, NaNs made canonical), FP32 and
+    int16 states the value unchanged. ``incoming`` is either ``held`` itself (nothing to do) or
+    shares no storage with it.
 
     Args:
         incoming (torch.Tensor): the offered value (FP32, or int16 remainders).
-        held (torch.Tensor): the state tensor it would replace; same shape and device.
-        chunk_elements (int): elements cast and compared at a time.
-
-    Returns:
-        bool: True if every element's bit pattern would be unchanged (NaNs included).
+        held (torch.Tensor): the state tensor to overwrite; same shape and device.
+        chunk_elements (int): elements converted at a time.
     """
     if incoming is held:
-        return True
-    bits = _SAME_WIDTH_INTEGER[held.dtype]
+        return
     flat_incoming, flat_held = incoming.reshape(-1), held.reshape(-1)
     for start in range(0, flat_held.numel(), chunk_elements):
         end = start + chunk_elements
-        stored = flat_incoming[start:end].to(held.dtype)
-        if not torch.equal(stored.view(bits), flat_held[start:end].view(bits)):
-            return False
-    return True
+        value = flat_incoming[start:end]
+        if held.dtype == torch.bfloat16:
+            value = value.bfloat16()
+        flat_held[start:end].copy_(value)
 
 
 def held_state_decline_reason(
@@ -69,14 +82,15 @@ def held_state_decline_reason(
     param_decline_reason: Callable[[torch.Tensor], Optional[str]],
     expected_state: Callable[[torch.Tensor], ExpectedState],
 ) -> Optional[str]:
-    """Accept ``state_dict`` only if TE's loader would leave the held state bit for bit.
+    """Accept ``state_dict`` if loading it with :func:`load_into_held_state` equals TE's result.
 
     Requires matching param groups, every parameter accepted by ``param_decline_reason``,
     one incoming entry per parameter, a held state with exactly the keys and dtypes of
     ``expected_state(param)`` in plain tensors shaped like the parameter (no two sharing a
-    storage with each other or a parameter), incoming values in the dtypes FusedAdam's
-    ``state_dict()`` produces that load to the held bits, and each non-FP32 state's scale
-    equal to one (what TE's loader would reset it to).
+    storage with each other or a parameter), each non-FP32 state's scale equal to one (what
+    TE's loader resets it to), and incoming values in the dtypes FusedAdam's ``state_dict()``
+    produces, each either the held tensor itself or sharing no storage with any held tensor
+    (nor, if it is to be installed by reference, with a parameter or another such tensor).
 
     Args:
         optimizer (Any): the TE FusedAdam (its type and settings already checked).
@@ -85,7 +99,7 @@ def held_state_decline_reason(
         expected_state (Callable): the held keys and dtypes for one parameter.
 
     Returns:
-        Optional[str]: None if the held state can be kept, otherwise the first difference.
+        Optional[str]: None if the held state can take the values, otherwise why not.
     """
     reason = param_groups_decline_reason(optimizer, state_dict)
     if reason is not None:
@@ -101,42 +115,56 @@ def held_state_decline_reason(
     scales = getattr(optimizer, "_scales", None)
     if not isinstance(scales, Mapping):
         return "FusedAdam has no _scales mapping to compare with"
-    seen_storages: Set[int] = {storage_ptr(p) for p in params if p.nbytes > 0}
-    for index, param, incoming in pairs:
-        reason = _entry_decline_reason(
-            param, incoming, optimizer.state.get(param), expected_state(param), scales, seen_storages
+    held_storages: Set[int] = set()
+    param_storages = {storage_ptr(p) for p in params if p.nbytes > 0}
+    held_states = [optimizer.state.get(param) for _, param, _ in pairs]
+    for (index, param, incoming), held in zip(pairs, held_states):
+        reason = _held_entry_decline_reason(
+            param, held, expected_state(param), scales, param_storages, held_storages
         )
+        if reason is None:
+            reason = _incoming_entry_decline_reason(param, incoming, held)
         if reason is not None:
             return f"parameter {index}: {reason}"
+    adopted_storages: Set[int] = set()
+    for (index, _, incoming), held in zip(pairs, held_states):  # now every held storage is known
+        for key, value in incoming.items():
+            if value is held[key] or value.nbytes == 0:
+                continue
+            storage = storage_ptr(value)
+            if storage in held_storages:
+                return f"parameter {index}: incoming {key} shares storage with a held state tensor"
+            if value.dtype == held[key].dtype:  # installed by reference
+                if storage in param_storages or storage in adopted_storages:
+                    return (
+                        f"parameter {index}: incoming {key} shares storage with a parameter or "
+                        "another incoming tensor"
+                    )
+                adopted_storages.add(storage)
     return None
 
 
-def _entry_decline_reason(
+def _held_entry_decline_reason(
     param: torch.Tensor,
-    incoming: Any,
     held: Any,
     expected: ExpectedState,
     scales: Mapping[Any, Any],
-    seen_storages: Set[int],
+    param_storages: Set[int],
+    held_storages: Set[int],
 ) -> Optional[str]:
-    """Check one parameter's held state against its incoming state."""
+    """Check one parameter's held state; add its storages to ``held_storages``."""
     if not isinstance(held, dict) or set(held) != set(expected):
         keys = sorted(map(str, held)) if isinstance(held, Mapping) else None
         return f"the held state has keys {keys}, not {sorted(expected)}"
-    if not isinstance(incoming, Mapping) or set(incoming) != set(expected):
-        return f"the incoming state does not have exactly the keys {sorted(expected)}"
     for key, dtype in expected.items():
         reason = plain_tensor_decline_reason(held[key], dtype, param)
         if reason is not None:
             return f"held {key} {reason}"
-        reason = plain_tensor_decline_reason(incoming[key], incoming_dtype_for(dtype), param)
-        if reason is not None:
-            return f"incoming {key} {reason}"
         if held[key].nbytes > 0:
             storage = storage_ptr(held[key])
-            if storage in seen_storages:
+            if storage in param_storages or storage in held_storages:
                 return f"held {key} shares storage with a parameter or another state tensor"
-            seen_storages.add(storage)
+            held_storages.add(storage)
         if dtype not in (torch.float32, torch.int16):
             scale = scales.get(param, {}).get(key)
             if not (
@@ -146,6 +174,17 @@ def _entry_decline_reason(
                 and scale.item() == 1.0
             ):
                 return f"the scale of {key} is not one"
-        if not loads_to_held_bits(incoming[key], held[key]):
-            return f"incoming {key} differs from the held state"
+    return None
+
+
+def _incoming_entry_decline_reason(
+    param: torch.Tensor, incoming: Any, held: Mapping[str, torch.Tensor]
+) -> Optional[str]:
+    """Check one parameter's incoming state against its (checked) held state."""
+    if not isinstance(incoming, Mapping) or set(incoming) != set(held):
+        return f"the incoming state does not have exactly the keys {sorted(held)}"
+    for key, tensor in held.items():
+        reason = plain_tensor_decline_reason(incoming[key], incoming_dtype_for(tensor.dtype), param)
+        if reason is not None:
+            return f"incoming {key} {reason}"
     return None

@@ -1,0 +1,187 @@
+"""The opt-in precision-aware plugin (examples/te-precision-aware-adopter) with real TE.
+
+Skipped, with the reason, unless the plugin is installed
+(``pip install examples/te-precision-aware-adopter``). Checks both of Megatron-Core's load
+passes against TE's own loader with real FusedAdam (BF16 moments, TE master weights), and a
+real MCore precision-aware resume: which loader installed the state, bitwise equality with
+the uninterrupted run, and a lower load peak than TE's loader in the same process.
+"""
+
+import types
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from builders import Owner
+from gpu_requirements import gpu_only
+from mcore_runs import (
+    adoption_messages,
+    allocated_now,
+    digests,
+    free_cuda,
+    load_with_peak,
+    step_with_peak,
+    train_save_control,
+)
+
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.optimizer.state_adoption import (
+    StateAdopterRegistry,
+    load_inner_optimizer_state_dict,
+    register_state_adopter,
+    registered_state_adopters,
+)
+from megatron.core.optimizer.state_adoption.loader import DISABLE_ENV_VAR
+from megatron.core.optimizer.state_adoption.testing import assert_adoption_matches_own_loader
+
+pytestmark = gpu_only
+
+plugin = pytest.importorskip(
+    "mcore_te_precision_aware_adopter",
+    reason="the plugin is not installed (pip install examples/te-precision-aware-adopter)",
+)
+
+PRECISION_AWARE = types.SimpleNamespace(use_precision_aware_optimizer=True, optimizer_cpu_offload=False)
+CONTEXT_KWARGS = {"config": PRECISION_AWARE, "ddp_config": DistributedDataParallelConfig()}
+SHAPES = [(1 << 20,), (512, 256), (1000,)]
+MODES: Dict[str, Dict[str, Any]] = {
+    "master remainders": dict(master_weights=True, store_param_remainders=True),
+    "FP32 master weights": dict(master_weights=True),
+}
+
+
+def _fused_adam(mode: str) -> torch.optim.Optimizer:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=generator, device="cuda").bfloat16()) for s in SHAPES
+    ]
+    return FusedAdam(
+        params, lr=1e-3, weight_decay=0.01, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, **MODES[mode]
+    )
+
+
+def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _step(optimizer: torch.optim.Optimizer, seed: int) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(100 + seed)
+    for param in _params(optimizer):
+        param.grad = torch.randn(param.shape, generator=generator, device="cuda").bfloat16()
+    optimizer.step()
+
+
+def _scaffold(mode: str) -> Dict[str, Any]:
+    """What MCore's scaffold pass offers, filled with a trained optimizer's held tensors."""
+    trained = _fused_adam(mode)
+    for seed in range(2):
+        _step(trained, seed)
+    groups = trained.state_dict()["param_groups"]
+    state = {i: {k: t.clone() for k, t in trained.state[p].items()} for i, p in enumerate(_params(trained))}
+    return {"state": state, "param_groups": groups}
+
+
+def _loaded(mode: str) -> torch.optim.Optimizer:
+    optimizer = _fused_adam(mode)
+    optimizer.load_state_dict(_scaffold(mode))
+    return optimizer
+
+
+def _held(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [optimizer.state[p][k] for p in _params(optimizer) for k in sorted(optimizer.state[p])]
+
+
+def _bitwise_equal(left: List[torch.Tensor], right: List[torch.Tensor]) -> bool:
+    return len(left) == len(right) and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(left, right)
+    )
+
+
+def _adopter() -> Any:
+    return plugin.TEFusedAdamPrecisionAwareStateAdopter()
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_scaffold_pass_equals_te_loader(mode: str) -> None:
+    assert_adoption_matches_own_loader(_adopter(), lambda: _fused_adam(mode), lambda: _scaffold(mode), CONTEXT_KWARGS)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_payload_pass_keeps_held_state_equal_to_te_loader(mode: str) -> None:
+    made: List[torch.optim.Optimizer] = []
+
+    def make_optimizer() -> torch.optim.Optimizer:
+        made.append(_loaded(mode))
+        return made[-1]
+
+    assert_adoption_matches_own_loader(_adopter(), make_optimizer, lambda: made[-1].state_dict(), CONTEXT_KWARGS)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) -> None:
+    adopted, by_te = _loaded(mode), _loaded(mode)
+    held = _held(adopted)
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(_adopter())
+    peaks = []
+    for optimizer, load in (
+        (adopted, lambda sd: load_inner_optimizer_state_dict(Owner(adopted, config=PRECISION_AWARE), sd, registry)),
+        (by_te, by_te.load_state_dict),
+    ):
+        state_dict = optimizer.state_dict()
+        free_cuda()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        load(state_dict)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        del state_dict
+    assert all(a is b for a, b in zip(_held(adopted), held)) and len(_held(adopted)) == len(held)
+    # TE casts the whole payload to new tensors; the adopter converts one chunk at a time.
+    largest = max(p.numel() for p in _params(adopted))
+    assert peaks[0] <= 2 * largest + (1 << 16) < peaks[1], peaks
+    assert _bitwise_equal(_held(adopted), _held(by_te))
+    _step(adopted, 7)
+    _step(by_te, 7)
+    assert _bitwise_equal(_params(adopted), _params(by_te))
+    assert _bitwise_equal(_held(adopted), _held(by_te))
+
+
+def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog, monkeypatch) -> None:
+    from benchmarks.resume_benchmark.cases import PRESETS, make_case
+    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, distributed_optimizers
+
+    name = plugin.TEFusedAdamPrecisionAwareStateAdopter.name
+    handle = None
+    if name not in [a.name for a in registered_state_adopters()]:  # importable but not installed
+        handle = register_state_adopter(_adopter())
+    try:
+        case = make_case("precision_aware_bf16", PRESETS["tiny"])
+        control = train_save_control(case, tmp_path / "checkpoint")
+        peaks = {}
+        for label in ("te_loader", "plugin"):
+            if label == "te_loader":
+                monkeypatch.setenv(DISABLE_ENV_VAR, "1")
+            else:
+                monkeypatch.delenv(DISABLE_ENV_VAR)
+            caplog.clear()
+            start = allocated_now()
+            model_chunks, optimizer = build_gpt_and_optimizer(case)
+            inner_optimizers = len(list(distributed_optimizers(optimizer)))
+            peaks[label] = load_with_peak(model_chunks, optimizer, case, tmp_path / "checkpoint", caplog)
+            installed = adoption_messages(caplog, f"'{name}' installed the FusedAdam state")
+            assert len(installed) == (2 * inner_optimizers if label == "plugin" else 0), caplog.text
+            assert digests(model_chunks, optimizer) == control["saved"]
+            result, _ = step_with_peak(model_chunks, optimizer, case, start)
+            assert result.loss == control["loss"]
+            assert digests(model_chunks, optimizer) == control["after_step"]
+            del model_chunks, optimizer
+            free_cuda()
+        assert peaks["plugin"] < peaks["te_loader"], peaks
+    finally:
+        if handle is not None:
+            handle.remove()

@@ -1,0 +1,190 @@
+"""Reliability with real TE FusedAdam and real Megatron-Core ``dist_checkpointing`` (GPU part).
+
+Each case loads the same ``torch_dist`` checkpoint twice in one process: through this build's
+adoption path and with the kill switch ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1``, which is
+upstream's path (the inner optimizer's own loader). The outcomes must be the same -- the same
+error type and message, or the same loaded state -- and no file of the checkpoint may change.
+"""
+
+import dataclasses
+import gc
+import hashlib
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from gpu_requirements import gpu_only
+from mcore_runs import adoption_messages, digests, free_cuda, train_save_control
+
+from megatron.core.optimizer.state_adoption.loader import DISABLE_ENV_VAR
+
+pytestmark = gpu_only
+
+FORMAT = "dp_reshardable"
+Outcome = Tuple[str, Any, Any]
+
+
+def _file_hashes(directory: Path) -> Dict[str, str]:
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def _largest_data_file(directory: Path) -> Path:
+    return max(directory.glob("*.distcp"), key=lambda path: path.stat().st_size)
+
+
+def _truncate_half(directory: Path) -> None:
+    path = _largest_data_file(directory)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _empty(directory: Path) -> None:
+    _largest_data_file(directory).write_bytes(b"")
+
+
+def _garble_metadata(directory: Path) -> None:
+    path = directory / ".metadata"
+    data = bytearray(path.read_bytes())
+    for index in range(0, len(data), 7):
+        data[index] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _flip_payload_bytes(directory: Path) -> None:
+    path = _largest_data_file(directory)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for index in range(middle, middle + 64):
+        data[index] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS: Dict[str, Tuple[Callable[[Path], None], bool]] = {
+    # name: (corruption, whether a load must fail)
+    "data file truncated to half": (_truncate_half, True),
+    "data file emptied": (_empty, True),
+    "metadata garbled": (_garble_metadata, True),
+    "64 payload bytes flipped": (_flip_payload_bytes, False),
+}
+
+
+def _case(name: str = FORMAT, **size_changes: Any) -> Any:
+    from benchmarks.resume_benchmark.cases import PRESETS, make_case
+
+    return make_case(name, dataclasses.replace(PRESETS["tiny"], **size_changes))
+
+
+def _load_outcome(case: Any, checkpoint_dir: Path) -> Outcome:
+    """('error', type name, message) or ('loaded', digests, None) for one fresh load."""
+    from benchmarks.resume_benchmark.checkpoint import load_checkpoint
+    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer
+
+    model_chunks, optimizer = build_gpt_and_optimizer(case)
+    try:
+        load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
+    except (Exception, CheckpointException) as error:  # torch's is a BaseException; compared below
+        outcome: Outcome = ("error", type(error).__name__, re.sub(r"0x[0-9a-f]+", "0x?", str(error)))
+    else:
+        outcome = ("loaded", digests(model_chunks, optimizer), None)
+    del model_chunks, optimizer
+    free_cuda()
+    return outcome
+
+
+def _ours_and_upstream(case: Any, checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Tuple[Outcome, Outcome]:
+    files = _file_hashes(checkpoint_dir)
+    monkeypatch.delenv(DISABLE_ENV_VAR, raising=False)
+    ours = _load_outcome(case, checkpoint_dir)
+    monkeypatch.setenv(DISABLE_ENV_VAR, "1")
+    upstream = _load_outcome(case, checkpoint_dir)
+    monkeypatch.delenv(DISABLE_ENV_VAR)
+    assert _file_hashes(checkpoint_dir) == files, "a load changed the checkpoint on disk"
+    return ours, upstream
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupted_checkpoint_gives_upstreams_outcome(corruption: str, tmp_path: Path, monkeypatch) -> None:
+    corrupt, must_fail = CORRUPTIONS[corruption]
+    case = _case()
+    train_save_control(case, tmp_path / "checkpoint")
+    corrupt(tmp_path / "checkpoint")
+    ours, upstream = _ours_and_upstream(case, tmp_path / "checkpoint", monkeypatch)
+    assert ours == upstream
+    if must_fail:
+        assert ours[0] == "error" and ours[2], ours
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [("precision_aware_bf16", FORMAT), (FORMAT, "precision_aware_bf16")],
+    ids=["precision-aware checkpoint into FP32 run", "FP32 checkpoint into precision-aware run"],
+)
+def test_precision_mode_mismatch_gives_upstreams_outcome(saved: str, loaded: str, tmp_path: Path, monkeypatch) -> None:
+    train_save_control(_case(saved), tmp_path / "checkpoint")
+    ours, upstream = _ours_and_upstream(_case(loaded), tmp_path / "checkpoint", monkeypatch)
+    assert ours == upstream
+
+
+def test_checkpoint_of_another_model_size_is_upstreams_error(tmp_path: Path, monkeypatch) -> None:
+    train_save_control(_case(), tmp_path / "checkpoint")
+    larger = _case(hidden_size=192, ffn_hidden_size=768)
+    ours, upstream = _ours_and_upstream(larger, tmp_path / "checkpoint", monkeypatch)
+    assert ours == upstream
+    assert ours[0] == "error" and ours[2], ours
+
+
+def _load_cycles(case: Any, checkpoint_dir: Path, caplog: pytest.LogCaptureFixture, saved: Dict[str, str], adopts: bool) -> Tuple[List[int], List[int], Counter]:
+    """Load 20 times into one model and optimizer; CUDA memory and Python objects after each."""
+    from benchmarks.resume_benchmark.checkpoint import load_checkpoint
+    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer
+
+    model_chunks, optimizer = build_gpt_and_optimizer(case)
+    allocated: List[int] = []
+    objects: List[int] = []
+    types_at_5: Counter = Counter()
+    for cycle in range(20):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="megatron.core.optimizer.state_adoption"):
+            load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
+        installed = adoption_messages(caplog, "'te_fused_adam_fp32' installed the FusedAdam state")
+        assert len(installed) == (2 if adopts else 0)
+        assert digests(model_chunks, optimizer) == saved
+        caplog.clear()
+        free_cuda()
+        allocated.append(torch.cuda.memory_allocated())
+        live = gc.get_objects()
+        objects.append(len(live))
+        if cycle == 4:
+            types_at_5 = Counter(type(o).__name__ for o in live)
+        elif cycle == 19:
+            growth = Counter(type(o).__name__ for o in live)
+            growth.subtract(types_at_5)
+            types_at_5 = Counter({k: v for k, v in growth.items() if v > 0})
+        del live
+    del model_chunks, optimizer
+    free_cuda()
+    return allocated, objects, types_at_5
+
+
+def test_twenty_load_cycles_keep_cuda_memory_flat_and_objects_as_upstream(tmp_path: Path, caplog, monkeypatch) -> None:
+    case = _case()
+    control = train_save_control(case, tmp_path / "checkpoint")
+    runs = {}
+    for label in ("ours", "upstream"):
+        if label == "upstream":
+            monkeypatch.setenv(DISABLE_ENV_VAR, "1")
+        runs[label] = _load_cycles(case, tmp_path / "checkpoint", caplog, control["saved"], label == "ours")
+    monkeypatch.delenv(DISABLE_ENV_VAR)
+    for label, (allocated, objects, growth) in runs.items():
+        print(f"{label}: allocated {allocated}; objects {objects}; growth by type (cycles 5-20) {dict(growth)}")
+    allocated, objects, growth = runs["ours"]
+    assert max(allocated[1:]) == min(allocated[1:]) and allocated[1] <= allocated[0], allocated
+    # Whatever grows per cycle grows as much on upstream's path (torch/MCore bookkeeping).
+    assert objects[-1] - objects[4] <= runs["upstream"][1][-1] - runs["upstream"][1][4], (objects, runs["upstream"][1])
