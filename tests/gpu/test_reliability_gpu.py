@@ -140,16 +140,27 @@ def test_checkpoint_of_another_model_size_is_upstreams_error(tmp_path: Path, mon
     assert ours[0] == "error" and ours[2], ours
 
 
-def _load_cycles(case: Any, checkpoint_dir: Path, caplog: pytest.LogCaptureFixture, saved: Dict[str, str], adopts: bool) -> Tuple[List[int], List[int], Counter]:
-    """Load 20 times into one model and optimizer; CUDA memory and Python objects after each."""
+CYCLES = 20
+WINDOW_START = 9  # objects are compared from cycle 10 on: first loads populate caches
+
+
+def _load_cycles(
+    case: Any, checkpoint_dir: Path, caplog: pytest.LogCaptureFixture, saved: Dict[str, str], adopts: bool
+) -> Tuple[List[int], List[int], Counter]:
+    """Load 20 times into one model and optimizer.
+
+    Returns:
+        CUDA memory allocated after each cycle, the number of live Python objects after each
+        cycle, and the growth of live objects by type from cycle 10 to cycle 20.
+    """
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
     from benchmarks.resume_benchmark.model import build_gpt_and_optimizer
 
     model_chunks, optimizer = build_gpt_and_optimizer(case)
     allocated: List[int] = []
     objects: List[int] = []
-    types_at_5: Counter = Counter()
-    for cycle in range(20):
+    by_type: List[Counter] = []
+    for cycle in range(CYCLES):
         caplog.clear()
         with caplog.at_level("INFO", logger="megatron.core.optimizer.state_adoption"):
             load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
@@ -161,30 +172,35 @@ def _load_cycles(case: Any, checkpoint_dir: Path, caplog: pytest.LogCaptureFixtu
         allocated.append(torch.cuda.memory_allocated())
         live = gc.get_objects()
         objects.append(len(live))
-        if cycle == 4:
-            types_at_5 = Counter(type(o).__name__ for o in live)
-        elif cycle == 19:
-            growth = Counter(type(o).__name__ for o in live)
-            growth.subtract(types_at_5)
-            types_at_5 = Counter({k: v for k, v in growth.items() if v > 0})
+        if cycle in (WINDOW_START, CYCLES - 1):
+            by_type.append(Counter(type(o).__name__ for o in live))
         del live
     del model_chunks, optimizer
     free_cuda()
-    return allocated, objects, types_at_5
+    growth = by_type[1]
+    growth.subtract(by_type[0])
+    return allocated, objects, Counter({k: v for k, v in growth.items() if v > 0})
 
 
 def test_twenty_load_cycles_keep_cuda_memory_flat_and_objects_as_upstream(tmp_path: Path, caplog, monkeypatch) -> None:
+    """CUDA memory is flat; Python objects grow by nothing upstream's path does not grow by.
+
+    pytest's own log capture keeps every LogRecord of the test (torch's checkpoint logger
+    writes 16 per load, this build's loader 2), so LogRecords are left out of the comparison.
+    """
     case = _case()
     control = train_save_control(case, tmp_path / "checkpoint")
     runs = {}
-    for label in ("ours", "upstream"):
+    for label in ("upstream", "ours"):  # upstream's path first: it warms the caches
         if label == "upstream":
             monkeypatch.setenv(DISABLE_ENV_VAR, "1")
+        else:
+            monkeypatch.delenv(DISABLE_ENV_VAR)
         runs[label] = _load_cycles(case, tmp_path / "checkpoint", caplog, control["saved"], label == "ours")
-    monkeypatch.delenv(DISABLE_ENV_VAR)
     for label, (allocated, objects, growth) in runs.items():
-        print(f"{label}: allocated {allocated}; objects {objects}; growth by type (cycles 5-20) {dict(growth)}")
-    allocated, objects, growth = runs["ours"]
+        print(f"{label}: allocated {allocated}; objects {objects}; growth by type (cycles 10-20) {dict(growth)}")
+    allocated, _, growth = runs["ours"]
     assert max(allocated[1:]) == min(allocated[1:]) and allocated[1] <= allocated[0], allocated
-    # Whatever grows per cycle grows as much on upstream's path (torch/MCore bookkeeping).
-    assert objects[-1] - objects[4] <= runs["upstream"][1][-1] - runs["upstream"][1][4], (objects, runs["upstream"][1])
+    beyond_upstream = growth - runs["upstream"][2]
+    beyond_upstream.pop("LogRecord", None)
+    assert not beyond_upstream, dict(beyond_upstream)
