@@ -15,6 +15,7 @@ import pytest
 import torch
 from builders import Owner
 from gpu_requirements import gpu_only
+from te_optimizers import bitwise_equal, params_of, random_step, state_tensors
 from mcore_runs import (
     adoption_messages,
     allocated_now,
@@ -63,24 +64,13 @@ def _fused_adam(mode: str) -> torch.optim.Optimizer:
     )
 
 
-def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def _step(optimizer: torch.optim.Optimizer, seed: int) -> None:
-    generator = torch.Generator(device="cuda").manual_seed(100 + seed)
-    for param in _params(optimizer):
-        param.grad = torch.randn(param.shape, generator=generator, device="cuda").bfloat16()
-    optimizer.step()
-
-
 def _scaffold(mode: str) -> Dict[str, Any]:
     """What MCore's scaffold pass offers, filled with a trained optimizer's held tensors."""
     trained = _fused_adam(mode)
     for seed in range(2):
-        _step(trained, seed)
+        random_step(trained, seed)
     groups = trained.state_dict()["param_groups"]
-    state = {i: {k: t.clone() for k, t in trained.state[p].items()} for i, p in enumerate(_params(trained))}
+    state = {i: {k: t.clone() for k, t in trained.state[p].items()} for i, p in enumerate(params_of(trained))}
     return {"state": state, "param_groups": groups}
 
 
@@ -88,17 +78,6 @@ def _loaded(mode: str) -> torch.optim.Optimizer:
     optimizer = _fused_adam(mode)
     optimizer.load_state_dict(_scaffold(mode))
     return optimizer
-
-
-def _held(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-    return [optimizer.state[p][k] for p in _params(optimizer) for k in sorted(optimizer.state[p])]
-
-
-def _bitwise_equal(left: List[torch.Tensor], right: List[torch.Tensor]) -> bool:
-    return len(left) == len(right) and all(
-        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        for a, b in zip(left, right)
-    )
 
 
 def _adopter() -> Any:
@@ -124,7 +103,7 @@ def test_payload_pass_keeps_held_state_equal_to_te_loader(mode: str) -> None:
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) -> None:
     adopted, by_te = _loaded(mode), _loaded(mode)
-    held = _held(adopted)
+    held = state_tensors(adopted)
     registry = StateAdopterRegistry(entry_point_group=None)
     registry.register(_adopter())
     peaks = []
@@ -140,15 +119,15 @@ def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) 
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - before)
         del state_dict
-    assert all(a is b for a, b in zip(_held(adopted), held)) and len(_held(adopted)) == len(held)
+    assert all(a is b for a, b in zip(state_tensors(adopted), held)) and len(state_tensors(adopted)) == len(held)
     # TE casts the whole payload to new tensors; the adopter converts one chunk at a time.
-    largest = max(p.numel() for p in _params(adopted))
+    largest = max(p.numel() for p in params_of(adopted))
     assert peaks[0] <= 2 * largest + (1 << 16) < peaks[1], peaks
-    assert _bitwise_equal(_held(adopted), _held(by_te))
-    _step(adopted, 7)
-    _step(by_te, 7)
-    assert _bitwise_equal(_params(adopted), _params(by_te))
-    assert _bitwise_equal(_held(adopted), _held(by_te))
+    assert bitwise_equal(state_tensors(adopted), state_tensors(by_te))
+    random_step(adopted, 7)
+    random_step(by_te, 7)
+    assert bitwise_equal(params_of(adopted), params_of(by_te))
+    assert bitwise_equal(state_tensors(adopted), state_tensors(by_te))
 
 
 def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog, monkeypatch) -> None:

@@ -106,6 +106,7 @@ def _ours_and_upstream(case: Any, checkpoint_dir: Path, monkeypatch: pytest.Monk
     upstream = _load_outcome(case, checkpoint_dir)
     monkeypatch.delenv(DISABLE_ENV_VAR)
     assert _file_hashes(checkpoint_dir) == files, "a load changed the checkpoint on disk"
+    print(f"outcome: {ours[0]}" + (f" {ours[1]}: {ours[2][:300]}" if ours[0] == "error" else ""))
     return ours, upstream
 
 

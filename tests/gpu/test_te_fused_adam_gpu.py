@@ -1,12 +1,13 @@
 """The default adopter against real Transformer Engine FusedAdam on the GPU."""
 
 import logging
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 import torch
 from builders import Owner, make_context
 from gpu_requirements import gpu_only
+from te_optimizers import bitwise_equal, params_of, random_step, state_tensors
 
 from megatron.core.optimizer.state_adoption import (
     StateAdopterRegistry,
@@ -29,21 +30,10 @@ def _fused_adam(dtype: torch.dtype = torch.float32, **kwargs: Any) -> torch.opti
     return FusedAdam(params, lr=1e-3, weight_decay=0.01, **kwargs)
 
 
-def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def _step(optimizer: torch.optim.Optimizer, seed: int) -> None:
-    generator = torch.Generator(device="cuda").manual_seed(100 + seed)
-    for param in _params(optimizer):
-        param.grad = torch.randn(param.shape, generator=generator, device="cuda").to(param.dtype)
-    optimizer.step()
-
-
 def _trained(**kwargs: Any) -> torch.optim.Optimizer:
     optimizer = _fused_adam(**kwargs)
     for seed in range(2):
-        _step(optimizer, seed)
+        random_step(optimizer, seed)
     return optimizer
 
 
@@ -52,17 +42,6 @@ def _payload(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     state_dict = optimizer.state_dict()
     state_dict["state"] = {k: {n: t.clone() for n, t in s.items()} for k, s in state_dict["state"].items()}
     return state_dict
-
-
-def _state(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-    return [optimizer.state[p][k] for p in _params(optimizer) for k in sorted(optimizer.state[p])]
-
-
-def _bitwise_equal(left: List[torch.Tensor], right: List[torch.Tensor]) -> bool:
-    return len(left) == len(right) and all(
-        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        for a, b in zip(left, right)
-    )
 
 
 def test_default_adopter_recognises_real_fused_adam() -> None:
@@ -82,8 +61,8 @@ def test_adoption_installs_by_reference_without_allocating() -> None:
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations_before
     assert torch.cuda.memory_allocated() == allocated_before
-    assert [t.data_ptr() for t in _state(optimizer)] == [t.data_ptr() for t in incoming]
-    assert avoided == 8 * sum(p.numel() for p in _params(optimizer))
+    assert [t.data_ptr() for t in state_tensors(optimizer)] == [t.data_ptr() for t in incoming]
+    assert avoided == 8 * sum(p.numel() for p in params_of(optimizer))
 
 
 def test_te_own_loader_allocates_a_second_copy() -> None:
@@ -94,7 +73,7 @@ def test_te_own_loader_allocates_a_second_copy() -> None:
     allocated_before = torch.cuda.memory_allocated()
     optimizer.load_state_dict(payload)
     torch.cuda.synchronize()
-    moment_bytes = 8 * sum(p.numel() for p in _params(optimizer))
+    moment_bytes = 8 * sum(p.numel() for p in params_of(optimizer))
     assert torch.cuda.memory_allocated() - allocated_before >= moment_bytes
 
 
@@ -105,12 +84,12 @@ def test_adopted_state_and_next_step_equal_te_loader() -> None:
     registry.register(TEFusedAdamFP32StateAdopter())
     load_inner_optimizer_state_dict(Owner(adopted), _payload(trained), registry)
     by_te.load_state_dict(_payload(trained))
-    assert _bitwise_equal(_state(adopted), _state(by_te))
+    assert bitwise_equal(state_tensors(adopted), state_tensors(by_te))
     assert [g["step"] for g in adopted.param_groups] == [g["step"] for g in by_te.param_groups]
-    _step(adopted, 7)
-    _step(by_te, 7)
-    assert _bitwise_equal(_params(adopted), _params(by_te))
-    assert _bitwise_equal(_state(adopted), _state(by_te))
+    random_step(adopted, 7)
+    random_step(by_te, 7)
+    assert bitwise_equal(params_of(adopted), params_of(by_te))
+    assert bitwise_equal(state_tensors(adopted), state_tensors(by_te))
 
 
 FALLBACK_MODES = {
@@ -144,8 +123,8 @@ def test_fallback_modes_keep_te_loader_and_its_result(mode: str, caplog) -> None
         load_inner_optimizer_state_dict(Owner(ours), _payload(trained), registry)
     assert "FusedAdam.load_state_dict loads it" in caplog.text
     upstream.load_state_dict(_payload(trained))
-    assert _bitwise_equal(_state(ours), _state(upstream))
-    _step(ours, 3)
-    _step(upstream, 3)
-    assert _bitwise_equal(_params(ours), _params(upstream))
-    assert _bitwise_equal(_state(ours), _state(upstream))
+    assert bitwise_equal(state_tensors(ours), state_tensors(upstream))
+    random_step(ours, 3)
+    random_step(upstream, 3)
+    assert bitwise_equal(params_of(ours), params_of(upstream))
+    assert bitwise_equal(state_tensors(ours), state_tensors(upstream))

@@ -231,7 +231,7 @@ def _aliasing_held(sd: Dict[str, Any], o: FusedAdamStandIn) -> None:
         (lambda sd, o: sd["state"][1].pop("master_param"), "parameter 1: the incoming state does not have"),
         (_aliasing_held, "parameter 2: incoming master_param shares storage with a held state tensor"),
         (lambda sd, o: o._scales[o.param_groups[0]["params"][0]]["exp_avg"].fill_(2.0), "scale of exp_avg is not one"),
-        (lambda sd, o: o.state.pop(o.param_groups[0]["params"][2]), "parameter 2: the held state has keys None"),
+        (lambda sd, o: o.state.pop(o.param_groups[0]["params"][2]), "parameter 2: the held state has keys []"),
         (
             lambda sd, o: o.state[o.param_groups[0]["params"][1]].__setitem__(
                 "exp_avg", o.state[o.param_groups[0]["params"][1]]["exp_avg"].float()

@@ -14,9 +14,10 @@ import torch
 
 from megatron.core.optimizer.state_adoption.validation import (
     ExpectedState,
-    param_groups_decline_reason,
+    one_entry_per_param_decline_reason,
     param_state_pairs,
     plain_tensor_decline_reason,
+    state_entry_decline_reason,
     storage_ptr,
 )
 
@@ -84,13 +85,14 @@ def held_state_decline_reason(
 ) -> Optional[str]:
     """Accept ``state_dict`` if loading it with :func:`load_into_held_state` equals TE's result.
 
-    Requires matching param groups, every parameter accepted by ``param_decline_reason``,
-    one incoming entry per parameter, a held state with exactly the keys and dtypes of
-    ``expected_state(param)`` in plain tensors shaped like the parameter (no two sharing a
-    storage with each other or a parameter), each non-FP32 state's scale equal to one (what
-    TE's loader resets it to), and incoming values in the dtypes FusedAdam's ``state_dict()``
-    produces, each either the held tensor itself or sharing no storage with any held tensor
-    (nor, if it is to be installed by reference, with a parameter or another such tensor).
+    Requires :func:`one_entry_per_param_decline_reason` (matching groups, every parameter
+    accepted by ``param_decline_reason``, one incoming entry per parameter), a held state
+    with exactly the keys and dtypes of ``expected_state(param)`` in plain tensors shaped like
+    the parameter (no two sharing a storage with each other or a parameter), each non-FP32
+    state's scale equal to one (what TE's loader resets it to), and incoming values in the
+    dtypes FusedAdam's ``state_dict()`` produces, each either the held tensor itself or
+    sharing no storage with any held tensor (nor, if it is to be installed by reference, with
+    a parameter or another such tensor).
 
     Args:
         optimizer (Any): the TE FusedAdam (its type and settings already checked).
@@ -101,31 +103,24 @@ def held_state_decline_reason(
     Returns:
         Optional[str]: None if the held state can take the values, otherwise why not.
     """
-    reason = param_groups_decline_reason(optimizer, state_dict)
+    reason = one_entry_per_param_decline_reason(optimizer, state_dict, param_decline_reason)
     if reason is not None:
         return reason
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, param in enumerate(params):
-        reason = param_decline_reason(param)
-        if reason is not None:
-            return f"parameter {index}: {reason}"
     pairs = list(param_state_pairs(optimizer, state_dict))
-    if len(state_dict["state"]) != len(pairs) or len(pairs) != len(params):
-        return "the incoming state does not hold exactly one entry per parameter"
     scales = getattr(optimizer, "_scales", None)
     if not isinstance(scales, Mapping):
         return "FusedAdam has no _scales mapping to compare with"
-    held_storages: Set[int] = set()
     param_storages = {storage_ptr(p) for p in params if p.nbytes > 0}
+    seen_storages = set(param_storages)
     held_states = [optimizer.state.get(param) for _, param, _ in pairs]
     for (index, param, incoming), held in zip(pairs, held_states):
-        reason = _held_entry_decline_reason(
-            param, held, expected_state(param), scales, param_storages, held_storages
-        )
+        reason = _held_entry_decline_reason(param, held, expected_state(param), scales, seen_storages)
         if reason is None:
             reason = _incoming_entry_decline_reason(param, incoming, held)
         if reason is not None:
             return f"parameter {index}: {reason}"
+    held_storages = seen_storages - param_storages
     adopted_storages: Set[int] = set()
     for (index, _, incoming), held in zip(pairs, held_states):  # now every held storage is known
         for key, value in incoming.items():
@@ -149,22 +144,15 @@ def _held_entry_decline_reason(
     held: Any,
     expected: ExpectedState,
     scales: Mapping[Any, Any],
-    param_storages: Set[int],
-    held_storages: Set[int],
+    seen_storages: Set[int],
 ) -> Optional[str]:
-    """Check one parameter's held state; add its storages to ``held_storages``."""
-    if not isinstance(held, dict) or set(held) != set(expected):
-        keys = sorted(map(str, held)) if isinstance(held, Mapping) else None
-        return f"the held state has keys {keys}, not {sorted(expected)}"
+    """Check one parameter's held state; add its storages to ``seen_storages``."""
+    if held is not None and not isinstance(held, dict):
+        return f"the held state is a {type(held).__name__}, not a dict"
+    reason = state_entry_decline_reason(param, held or {}, expected, seen_storages, "held")
+    if reason is not None:
+        return reason if reason.startswith("the held") else f"held {reason}"
     for key, dtype in expected.items():
-        reason = plain_tensor_decline_reason(held[key], dtype, param)
-        if reason is not None:
-            return f"held {key} {reason}"
-        if held[key].nbytes > 0:
-            storage = storage_ptr(held[key])
-            if storage in param_storages or storage in held_storages:
-                return f"held {key} shares storage with a parameter or another state tensor"
-            held_storages.add(storage)
         if dtype not in (torch.float32, torch.int16):
             scale = scales.get(param, {}).get(key)
             if not (

@@ -184,6 +184,36 @@ def plain_tensor_decline_reason(
     return None
 
 
+def one_entry_per_param_decline_reason(
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    param_decline_reason: Callable[[torch.Tensor], Optional[str]],
+) -> Optional[str]:
+    """Require matching param groups, accepted parameters and one state entry per parameter.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer.
+        state_dict (Mapping[str, Any]): the incoming state dict.
+        param_decline_reason (Callable): the adopter's rule for one parameter.
+
+    Returns:
+        Optional[str]: None if every parameter is accepted and has exactly one incoming state
+        entry, otherwise the first problem.
+    """
+    reason = param_groups_decline_reason(optimizer, state_dict)
+    if reason is not None:
+        return reason
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        reason = param_decline_reason(param)
+        if reason is not None:
+            return f"parameter {index}: {reason}"
+    pairs = sum(1 for _ in param_state_pairs(optimizer, state_dict))
+    if len(state_dict["state"]) != pairs or pairs != len(params):
+        return "the incoming state does not hold exactly one entry per parameter"
+    return None
+
+
 def incoming_state_decline_reason(
     optimizer: torch.optim.Optimizer,
     state_dict: Mapping[str, Any],
@@ -192,8 +222,8 @@ def incoming_state_decline_reason(
 ) -> Optional[str]:
     """Check groups, parameters and every incoming state tensor for by-reference adoption.
 
-    Requires matching param groups, ``param_decline_reason`` to accept every parameter,
-    exactly one state entry per parameter with exactly the keys of ``expected_state(param)``,
+    Requires :func:`one_entry_per_param_decline_reason`, each entry with exactly the keys of
+    ``expected_state(param)``,
     each a tensor accepted by :func:`plain_tensor_decline_reason` with the expected dtype,
     and no two state tensors or a state tensor and a parameter sharing a storage.
 
@@ -206,39 +236,49 @@ def incoming_state_decline_reason(
     Returns:
         Optional[str]: None if everything can be adopted, otherwise the first problem.
     """
-    reason = param_groups_decline_reason(optimizer, state_dict)
+    reason = one_entry_per_param_decline_reason(optimizer, state_dict, param_decline_reason)
     if reason is not None:
         return reason
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, param in enumerate(params):
-        reason = param_decline_reason(param)
-        if reason is not None:
-            return f"parameter {index}: {reason}"
     pairs = list(param_state_pairs(optimizer, state_dict))
-    if len(state_dict["state"]) != len(pairs) or len(pairs) != len(params):
-        return "the incoming state does not hold exactly one entry per parameter"
     seen_storages: Set[int] = {storage_ptr(p) for p in params if p.nbytes > 0}
     for index, param, incoming in pairs:
-        reason = _entry_decline_reason(param, incoming, expected_state(param), seen_storages)
+        reason = state_entry_decline_reason(param, incoming, expected_state(param), seen_storages)
         if reason is not None:
             return f"parameter {index}: {reason}"
     return None
 
 
-def _entry_decline_reason(
-    param: torch.Tensor, incoming: Any, expected: ExpectedState, seen_storages: Set[int]
+def state_entry_decline_reason(
+    param: torch.Tensor,
+    entry: Any,
+    expected: ExpectedState,
+    seen_storages: Set[int],
+    label: str = "incoming",
 ) -> Optional[str]:
-    """Check one parameter's incoming state; add its storages to ``seen_storages``."""
-    if not isinstance(incoming, Mapping):
-        return f"the incoming state is a {type(incoming).__name__}, not a dict"
-    if set(incoming.keys()) != set(expected):
-        return f"the incoming state has keys {sorted(map(str, incoming))}, not {sorted(expected)}"
+    """Check one parameter's state entry; add its tensors' storages to ``seen_storages``.
+
+    Args:
+        param (torch.Tensor): the parameter the entry belongs to.
+        entry (Any): its state (incoming or held): must map exactly the keys of ``expected``.
+        expected (ExpectedState): the keys and dtypes it must have.
+        seen_storages (Set[int]): storages no tensor of the entry may share (parameters',
+            other entries'); updated.
+        label (str): which state the entry is, for the messages ("incoming", "held").
+
+    Returns:
+        Optional[str]: None if every tensor is acceptable, otherwise what is wrong.
+    """
+    if not isinstance(entry, Mapping):
+        return f"the {label} state is a {type(entry).__name__}, not a dict"
+    if set(entry.keys()) != set(expected):
+        return f"the {label} state has keys {sorted(map(str, entry))}, not {sorted(expected)}"
     for key, dtype in expected.items():
-        reason = plain_tensor_decline_reason(incoming[key], dtype, param)
+        reason = plain_tensor_decline_reason(entry[key], dtype, param)
         if reason is not None:
             return f"{key} {reason}"
-        if incoming[key].nbytes > 0:
-            storage = storage_ptr(incoming[key])
+        if entry[key].nbytes > 0:
+            storage = storage_ptr(entry[key])
             if storage in seen_storages:
                 return f"{key} shares storage with a parameter or another state tensor"
             seen_storages.add(storage)
