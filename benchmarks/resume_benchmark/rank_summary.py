@@ -35,6 +35,7 @@ from benchmarks.resume_benchmark.launch import ParallelLayout
 from benchmarks.resume_benchmark.results import compare_digests, merge_rank_digests
 from benchmarks.resume_benchmark.summary import (
     RESUME_SIDES,
+    case_header,
     expectation_fields,
     expected_bytes,
     resume_side,
@@ -193,14 +194,7 @@ def summarize_multi_rank_case(
     resumed: Mapping[str, Sequence[Result | None]],
 ) -> dict[str, Any]:
     """One multi-rank case's report entry from every rank's control and resume results."""
-    entry: dict[str, Any] = {
-        "case": case.name,
-        "sharding_format": case.sharding_format,
-        "moe": case.moe,
-        "precision_aware": case.precision_aware,
-        "expected_saving_bytes_per_param": case.expected_saving_bytes_per_param,
-        "parallel": layout.to_json(),
-    }
+    entry = {**case_header(case), "parallel": layout.to_json()}
     padded = _padded(controls, layout.nproc_per_node)
     failed = _failures("train+save+control", padded)
     if failed:

@@ -104,19 +104,24 @@ def expected_bytes(per_param: int | None, params: int) -> int | None:
     return None if per_param is None else per_param * params
 
 
-def summarize_case(
-    case: BenchmarkCase,
-    control: Mapping[str, Any] | None,
-    resumed: Mapping[str, Mapping[str, Any] | None],
-) -> dict[str, Any]:
-    """One case's report entry from its control and resume results."""
-    entry: dict[str, Any] = {
+def case_header(case: BenchmarkCase) -> dict[str, Any]:
+    """The fields every report entry of ``case`` starts with (single- or multi-rank)."""
+    return {
         "case": case.name,
         "sharding_format": case.sharding_format,
         "moe": case.moe,
         "precision_aware": case.precision_aware,
         "expected_saving_bytes_per_param": case.expected_saving_bytes_per_param,
     }
+
+
+def summarize_case(
+    case: BenchmarkCase,
+    control: Mapping[str, Any] | None,
+    resumed: Mapping[str, Mapping[str, Any] | None],
+) -> dict[str, Any]:
+    """One case's report entry from its control and resume results."""
+    entry = case_header(case)
     if control is None or "error" in control:
         entry["status"] = "error"
         entry["detail"] = "train+save+control: " + (

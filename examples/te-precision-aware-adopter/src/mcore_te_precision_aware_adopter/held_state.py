@@ -15,6 +15,7 @@ import torch
 from megatron.core.optimizer.state_adoption.validation import (
     ExpectedState,
     one_entry_per_param_decline_reason,
+    optimizer_params,
     param_state_pairs,
     plain_tensor_decline_reason,
     state_entry_decline_reason,
@@ -106,7 +107,7 @@ def held_state_decline_reason(
     reason = one_entry_per_param_decline_reason(optimizer, state_dict, param_decline_reason)
     if reason is not None:
         return reason
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimizer_params(optimizer)
     pairs = list(param_state_pairs(optimizer, state_dict))
     scales = getattr(optimizer, "_scales", None)
     if not isinstance(scales, Mapping):

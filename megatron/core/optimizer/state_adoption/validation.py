@@ -5,7 +5,7 @@ adopter's ``decline_reason`` can chain them.
 """
 
 from itertools import chain
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -127,6 +127,11 @@ def param_groups_decline_reason(
     return None
 
 
+def optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """Return every parameter of ``optimizer``, group by group, in PyTorch's state-dict order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def param_state_pairs(
     optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
 ) -> Iterator[Tuple[int, torch.Tensor, Any]]:
@@ -140,7 +145,7 @@ def param_state_pairs(
         Iterator[Tuple[int, torch.Tensor, Any]]: one item per parameter that has state.
     """
     incoming_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-    params = chain.from_iterable(g["params"] for g in optimizer.param_groups)
+    params = optimizer_params(optimizer)
     incoming_state = state_dict["state"]
     for index, (state_id, param) in enumerate(zip(incoming_ids, params)):
         if state_id in incoming_state:
@@ -203,7 +208,7 @@ def one_entry_per_param_decline_reason(
     reason = param_groups_decline_reason(optimizer, state_dict)
     if reason is not None:
         return reason
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimizer_params(optimizer)
     for index, param in enumerate(params):
         reason = param_decline_reason(param)
         if reason is not None:
@@ -239,7 +244,7 @@ def incoming_state_decline_reason(
     reason = one_entry_per_param_decline_reason(optimizer, state_dict, param_decline_reason)
     if reason is not None:
         return reason
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimizer_params(optimizer)
     pairs = list(param_state_pairs(optimizer, state_dict))
     seen_storages: Set[int] = {storage_ptr(p) for p in params if p.nbytes > 0}
     for index, param, incoming in pairs:
