@@ -20,13 +20,19 @@ loading depends on, and reproduces it:
   (``master_param`` in FP32, or as int16 remainders of BF16 parameters with
   ``store_param_remainders``), and the public ``initialize_state``.
 
+Transformer Engine generations (``te_release``, see docs/te-releases.md): from 2.1 on the
+instance has ``store_param_remainders`` and the loader skips ``None`` values (the default,
+``(2, 20)``); in 2.0 there is no ``store_param_remainders`` attribute and no remainder mode;
+in 1.13 and 1.14 additionally a ``None`` state value makes the loader fail. Every release from
+1.13 to 2.20 allocates and copies on load.
+
 Every state tensor it allocates is counted in ``allocations`` so tests can prove that an
 adopter allocated nothing. Not reproduced: FP16/FP8 scaled moments, and ``step`` with
 master weights (it raises).
 """
 
 from itertools import chain
-from typing import Any, Dict, Iterable
+from typing import Any, Dict, Iterable, Tuple
 
 import torch
 
@@ -47,13 +53,18 @@ class FusedAdamStandIn(torch.optim.Optimizer):
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         store_param_remainders: bool = False,
+        te_release: Tuple[int, int] = (2, 20),
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.master_weights = master_weights
-        self.store_param_remainders = (
-            store_param_remainders and master_weights and master_weight_dtype == torch.float32
-        )
+        self.te_release = te_release
+        if te_release >= (2, 1):
+            self.store_param_remainders = (
+                store_param_remainders and master_weights and master_weight_dtype == torch.float32
+            )
+        elif store_param_remainders:
+            raise TypeError(f"TE {te_release} has no store_param_remainders")
         self.name_to_dtype_map = {
             "exp_avg": exp_avg_dtype,
             "exp_avg_sq": exp_avg_sq_dtype,
@@ -63,7 +74,11 @@ class FusedAdamStandIn(torch.optim.Optimizer):
         self._scales: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
 
     def _keeps_remainders(self, param: torch.Tensor, state_name: str) -> bool:
-        return self.store_param_remainders and state_name == "master_param" and param.dtype == torch.bfloat16
+        return (
+            getattr(self, "store_param_remainders", False)
+            and state_name == "master_param"
+            and param.dtype == torch.bfloat16
+        )
 
     def _initialize_state(
         self, param: torch.Tensor, state_name: str, zero_buffer: bool, store_param_remainders: bool = False
@@ -133,7 +148,7 @@ class FusedAdamStandIn(torch.optim.Optimizer):
                 incoming = state_dict["state"][state_id]
                 self.state[param] = {}
                 for name, value in incoming.items():
-                    if value is None:
+                    if value is None and self.te_release >= (2, 0):
                         continue
                     if self._keeps_remainders(param, name):
                         self.set_scaled_state(param, name, value)

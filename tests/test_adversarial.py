@@ -25,11 +25,9 @@ from builders import (
 )
 from fused_adam_standin import FusedAdamStandIn
 
-from megatron.core.optimizer.state_adoption import (
-    StateAdopterRegistry,
-    StateAdoptionContext,
-    load_inner_optimizer_state_dict,
-)
+from megatron.core.optimizer.state_adoption import StateAdoptionContext
+from megatron.core.optimizer.state_adoption.loader import _load_inner_state
+from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry
 
 ADOPTED, FALLBACK = "adopted", "fallback"
 
@@ -146,17 +144,17 @@ CASES: Dict[str, tuple] = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_adversarial_input(case: str, registry: StateAdopterRegistry) -> None:
+def test_adversarial_input(case: str, registry: _StateAdopterRegistry) -> None:
     build, expected = CASES[case]
     optimizer, state_dict = build()
     if isinstance(expected, type):
         upstream = _own_loader_outcome(build)
         assert isinstance(upstream, expected), upstream
         with pytest.raises(expected) as ours:
-            load_inner_optimizer_state_dict(Owner(optimizer), state_dict, registry)
+            _load_inner_state(Owner(optimizer), state_dict, registry)
         assert str(ours.value) == str(upstream)
         return
-    load_inner_optimizer_state_dict(Owner(optimizer), state_dict, registry)
+    _load_inner_state(Owner(optimizer), state_dict, registry)
     assert_consistent(optimizer, state_dict, expected)
     assert (optimizer.allocations == 0) == (expected == ADOPTED)
     reference, reference_payload = build()
@@ -167,13 +165,13 @@ def test_adversarial_input(case: str, registry: StateAdopterRegistry) -> None:
             assert torch.equal(optimizer.state[mine][key], reference.state[theirs][key])
 
 
-def test_checkpoint_file_is_untouched_by_adoption_and_training(tmp_path: Path, registry: StateAdopterRegistry) -> None:
+def test_checkpoint_file_is_untouched_by_adoption_and_training(tmp_path: Path, registry: _StateAdopterRegistry) -> None:
     """Adopting tensors read from a file must not write back to the file, even after steps."""
     path = tmp_path / "optimizer.pt"
     torch.save(cloned_state_dict(trained_standin()), path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     optimizer = fresh_standin()
-    load_inner_optimizer_state_dict(Owner(optimizer), torch.load(path, mmap=True), registry)
+    _load_inner_state(Owner(optimizer), torch.load(path, mmap=True), registry)
     for param in _params(optimizer):
         param.grad = torch.ones_like(param)
     optimizer.step()
@@ -207,7 +205,7 @@ class _BlockingAdopter:
 
 
 def test_registration_and_removal_during_a_load_do_not_disturb_it() -> None:
-    registry = StateAdopterRegistry(entry_point_group=None)
+    registry = _StateAdopterRegistry(entry_point_group=None)
     blocking = _BlockingAdopter()
     registry.register(blocking)
     handle = registry.register(standin_adopter())
@@ -216,7 +214,7 @@ def test_registration_and_removal_during_a_load_do_not_disturb_it() -> None:
 
     def load() -> None:
         try:
-            load_inner_optimizer_state_dict(Owner(optimizer), cloned_state_dict(trained_standin()), registry)
+            _load_inner_state(Owner(optimizer), cloned_state_dict(trained_standin()), registry)
         except BaseException as error:  # pragma: no cover - reported below
             errors.append(error)
 
@@ -224,15 +222,17 @@ def test_registration_and_removal_during_a_load_do_not_disturb_it() -> None:
     loader.start()
     assert blocking.entered.wait(timeout=30)
     handle.remove()  # removed while the load is in progress: the load keeps its snapshot
-    registry.register(_BlockingAdopter(), prepend=True)
+    late = _BlockingAdopter()
+    late.name = "late_blocking"
+    registry.register(late, prepend=True)
     blocking.release.set()
     loader.join(timeout=30)
     assert errors == [] and not loader.is_alive()
     assert optimizer.allocations == 0  # adopted by the snapshot's stand-in adopter
-    assert [a.name for a in registry.adopters()] == ["blocking", "blocking"]
+    assert [a.name for a in registry.registrations()] == ["late_blocking", "blocking"]
 
 
-def test_te_api_drift_declines(registry: StateAdopterRegistry) -> None:
+def test_te_api_drift_declines(registry: _StateAdopterRegistry) -> None:
     """A FusedAdam without the attributes the adopter reads is declined, not crashed on."""
     for attribute in ("master_weights", "store_param_remainders", "name_to_dtype_map"):
         optimizer = fresh_standin()
@@ -241,12 +241,12 @@ def test_te_api_drift_declines(registry: StateAdopterRegistry) -> None:
         assert reason is not None and attribute in reason
 
 
-def test_twenty_load_cycles_do_not_grow_python_objects(registry: StateAdopterRegistry) -> None:
+def test_twenty_load_cycles_do_not_grow_python_objects(registry: _StateAdopterRegistry) -> None:
     optimizer = trained_standin()
 
     def cycle() -> None:
-        load_inner_optimizer_state_dict(Owner(optimizer), cloned_state_dict(optimizer), registry)
-        load_inner_optimizer_state_dict(Owner(optimizer), optimizer.state_dict(), registry)
+        _load_inner_state(Owner(optimizer), cloned_state_dict(optimizer), registry)
+        _load_inner_state(Owner(optimizer), optimizer.state_dict(), registry)
 
     for _ in range(3):
         cycle()
@@ -265,5 +265,5 @@ def test_optimizer_subclass_of_standin_is_accepted_when_nothing_is_overridden(re
     state_dict = cloned_state_dict(trained_standin())
     state_dict["param_groups"] = state_dict["param_groups"][:1]
     state_dict["param_groups"][0]["params"] = [0, 1, 2, 3]
-    load_inner_optimizer_state_dict(Owner(optimizer), state_dict, registry)
+    _load_inner_state(Owner(optimizer), state_dict, registry)
     assert_consistent(optimizer, state_dict, ADOPTED)

@@ -97,7 +97,11 @@ def test_installed_version_is_local_build() -> None:
 def test_installed_distrib_optimizer_is_patched() -> None:
     path = Path(str(_installed_distribution().locate_file(DISTRIB_OPTIMIZER)))
     text = path.read_text(encoding="utf-8")
-    assert "from .state_adoption import load_inner_optimizer_state_dict" in text
+    assert (
+        "from .state_adoption import export_inner_optimizer_state_dict, "
+        "load_inner_optimizer_state_dict" in text
+    )
+    assert "inner_state_dict = export_inner_optimizer_state_dict(self)" in text
     assert "load_inner_optimizer_state_dict(\n            self, {" in text
     assert "self.optimizer.load_state_dict(\n" not in text
 
@@ -108,6 +112,7 @@ def test_installed_distrib_optimizer_imports() -> None:
     installed = Path(str(_installed_distribution().locate_file(DISTRIB_OPTIMIZER)))
     assert Path(module.__file__ or "").resolve() == installed.resolve()
     assert callable(module.load_inner_optimizer_state_dict)
+    assert callable(module.export_inner_optimizer_state_dict)
 
 
 def test_installed_requirements_match_upstream() -> None:
@@ -156,7 +161,7 @@ def test_patch_with_failing_hunk_names_file_and_hunk(upstream_copy: Path, tmp_pa
     message = str(caught.value)
     assert PATCH_FILE.name in message
     assert DISTRIB_OPTIMIZER in message
-    assert "hunk #2 FAILED" in message and "hunk #1" not in message
+    assert "hunk #3 FAILED" in message and "hunk #1" not in message and "hunk #2" not in message
     assert not (tmp_path / "out").exists()
 
 
@@ -193,7 +198,7 @@ def test_composition_succeeds_on_pristine_inputs(upstream_copy: Path, tmp_path: 
         upstream_files = {n for n in original.namelist() if not n.endswith("/")}
         assert {n for n in upstream_files if ".dist-info/" not in n} <= names
         patched = composed.read(DISTRIB_OPTIMIZER).decode()
-        assert "from .state_adoption import load_inner_optimizer_state_dict" in patched
+        assert "inner_state_dict = export_inner_optimizer_state_dict(self)" in patched
         metadata = composed.read(f"{dist_info}/METADATA").decode()
         assert f"\nVersion: {EXPECTED_VERSION}\n" in metadata
         with composed.open(f"{dist_info}/RECORD") as record_file:

@@ -8,6 +8,7 @@ subsystem importable) these tests fail: nothing consults the registry.
 """
 
 import logging
+import types
 from typing import Any, Dict, List
 
 import pytest
@@ -19,7 +20,13 @@ from megatron.core.distributed.distributed_data_parallel_config import Distribut
 from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.state_adoption import DISABLE_ENV_VAR, register_state_adopter
+from megatron.core.optimizer.state_adoption import (
+    StateAdoptionOutcome,
+    register_outcome_hook,
+    register_state_adopter,
+)
+
+DISABLE_ENV_VAR = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
 
 
 class CpuDistributedOptimizer(DistributedOptimizer):
@@ -89,7 +96,7 @@ def test_default_adopter_declines_torch_adam_with_a_logged_reason(caplog) -> Non
     with caplog.at_level(logging.DEBUG, logger="megatron.core.optimizer.state_adoption"):
         distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
     assert "'te_fused_adam_fp32' declined: Transformer Engine's FusedAdam is not loaded" in caplog.text
-    assert "Adam.load_state_dict loads it" in caplog.text
+    assert "(every adopter declined): Adam.load_state_dict runs" in caplog.text
 
 
 def test_kill_switch_reaches_distributed_optimizer(adam_adopter, monkeypatch, caplog) -> None:
@@ -98,7 +105,7 @@ def test_kill_switch_reaches_distributed_optimizer(adam_adopter, monkeypatch, ca
     with caplog.at_level(logging.DEBUG, logger="megatron.core.optimizer.state_adoption"):
         distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
     assert adam_adopter.checked == []
-    assert f"{DISABLE_ENV_VAR}=1" in caplog.text
+    assert f"{DISABLE_ENV_VAR} is set" in caplog.text
 
 
 def test_failing_adopter_leaves_distributed_optimizer_correctly_loaded(caplog) -> None:
@@ -129,3 +136,50 @@ def test_megatron_fsdp_path_is_unchanged(adam_adopter) -> None:
     )
     distributed.load_state_dict(distributed.optimizer.state_dict())
     assert adam_adopter.checked == []
+
+
+class _AdamExporter(PyTorchLoaderAdopter):
+    """Adopts torch Adam and exports PyTorch's state dict of it, counting both."""
+
+    def __init__(self) -> None:
+        super().__init__("test_torch_adam_exporter", torch.optim.Adam)
+        self.exported: List[Any] = []
+
+    def export_decline_reason(self, context: Any) -> Any:
+        return None if isinstance(context.optimizer, torch.optim.Adam) else "not Adam"
+
+    def export_state_dict(self, context: Any) -> Any:
+        self.exported.append(context)
+        return torch.optim.Optimizer.state_dict(context.optimizer), 123
+
+
+def test_both_hook_points_are_consulted_and_every_call_has_an_outcome() -> None:
+    exporter = _AdamExporter()
+    outcomes: List[StateAdoptionOutcome] = []
+    handles = [register_state_adopter(exporter, prepend=True), register_outcome_hook(outcomes.append)]
+    try:
+        distributed = _distributed()
+        distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [c.optimizer for c in exporter.exported] == [distributed.optimizer]
+    assert [c.optimizer for c in exporter.adopted] == [distributed.optimizer]
+    assert [(o.hook_point, o.adopter, o.avoided_bytes) for o in outcomes] == [
+        ("export", "test_torch_adam_exporter", 123),
+        ("load", "test_torch_adam_exporter", sum(t.nbytes for s in distributed.optimizer.state.values() for t in s.values())),
+    ]
+
+
+def test_an_instance_level_loader_on_the_inner_optimizer_runs_instead_of_any_adopter(adam_adopter) -> None:
+    distributed = _distributed()
+    calls: List[Dict[str, Any]] = []
+
+    def load_state_dict(self: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
+        calls.append(state_dict)
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+
+    distributed.optimizer.load_state_dict = types.MethodType(load_state_dict, distributed.optimizer)  # type: ignore[method-assign]
+    distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+    assert len(calls) == 1 and sorted(calls[0]) == ["param_groups", "state"]
+    assert adam_adopter.adopted == [] and len(adam_adopter.checked) == 1

@@ -20,7 +20,8 @@ from builders import (
     trained_standin,
 )
 
-from megatron.core.optimizer.state_adoption import StateAdopterRegistry, load_inner_optimizer_state_dict
+from megatron.core.optimizer.state_adoption.loader import _load_inner_state
+from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry
 
 LOGGER = "megatron.core.optimizer.state_adoption"
 
@@ -33,13 +34,13 @@ def _reference_state() -> list:
 
 
 @pytest.mark.parametrize("adopter", [RaisingCheckAdopter("raising"), GarbageCheckAdopter("garbage")])
-def test_a_bad_check_is_a_logged_decline(empty_registry: StateAdopterRegistry, adopter, caplog) -> None:
+def test_a_bad_check_is_a_logged_decline(empty_registry: _StateAdopterRegistry, adopter, caplog) -> None:
     later = PyTorchLoaderAdopter("later")
     empty_registry.register(adopter)
     empty_registry.register(later)
     optimizer = fresh_standin()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        load_inner_optimizer_state_dict(Owner(optimizer), cloned_state_dict(trained_standin()), empty_registry)
+        _load_inner_state(Owner(optimizer), cloned_state_dict(trained_standin()), empty_registry)
     assert len(later.adopted) == 1
     assert f"{adopter.name!r}" in caplog.text
     assert_bitwise_equal(state_tensors(optimizer), _reference_state())
@@ -47,7 +48,7 @@ def test_a_bad_check_is_a_logged_decline(empty_registry: StateAdopterRegistry, a
 
 @pytest.mark.parametrize("mutate_incoming", [False, True], ids=["raises", "mutates-then-raises"])
 def test_adopter_failing_half_way_is_rolled_back_then_own_loader_runs(
-    empty_registry: StateAdopterRegistry, mutate_incoming: bool, caplog
+    empty_registry: _StateAdopterRegistry, mutate_incoming: bool, caplog
 ) -> None:
     later = PyTorchLoaderAdopter("later")
     empty_registry.register(HalfInstallingAdopter(mutate_incoming=mutate_incoming))
@@ -57,7 +58,7 @@ def test_adopter_failing_half_way_is_rolled_back_then_own_loader_runs(
     group_contents_before = [dict(g) for g in groups_before]
     state_dict = cloned_state_dict(trained_standin())
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        load_inner_optimizer_state_dict(Owner(optimizer), state_dict, empty_registry)
+        _load_inner_state(Owner(optimizer), state_dict, empty_registry)
     assert "failed while installing the state (RuntimeError: failed half-way)" in caplog.text
     assert later.checked == []  # fall back to the optimizer's own loader, not the next adopter
     assert optimizer.allocations == len(state_tensors(optimizer)) == 8
@@ -91,11 +92,11 @@ def test_rollback_restores_previous_state_exactly() -> None:
 
 
 @pytest.mark.parametrize("result", [None, "many", -1, True, 3.5])
-def test_adopt_returning_garbage_is_rolled_back(empty_registry: StateAdopterRegistry, result, caplog) -> None:
+def test_adopt_returning_garbage_is_rolled_back(empty_registry: _StateAdopterRegistry, result, caplog) -> None:
     empty_registry.register(GarbageAdoptAdopter(result))
     optimizer = fresh_standin()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        load_inner_optimizer_state_dict(Owner(optimizer), cloned_state_dict(trained_standin()), empty_registry)
+        _load_inner_state(Owner(optimizer), cloned_state_dict(trained_standin()), empty_registry)
     assert "failed while installing" in caplog.text
     assert optimizer.allocations == 8  # the optimizer's own loader ran
     assert_bitwise_equal(state_tensors(optimizer), _reference_state())
@@ -115,26 +116,26 @@ def _drop_last_param(state_dict: dict) -> dict:
     ],
     ids=["fewer params", "fewer groups", "no param_groups"],
 )
-def test_upstream_errors_are_still_raised_identically(registry: StateAdopterRegistry, corrupt, error) -> None:
+def test_upstream_errors_are_still_raised_identically(registry: _StateAdopterRegistry, corrupt, error) -> None:
     with pytest.raises(error) as upstream:
         fresh_standin().load_state_dict(corrupt(cloned_state_dict(trained_standin())))
     optimizer = fresh_standin()
     with pytest.raises(error) as ours:
-        load_inner_optimizer_state_dict(Owner(optimizer), corrupt(cloned_state_dict(trained_standin())), registry)
+        _load_inner_state(Owner(optimizer), corrupt(cloned_state_dict(trained_standin())), registry)
     assert str(ours.value) == str(upstream.value)
 
 
-def test_adopter_result_is_identical_whichever_pass(registry: StateAdopterRegistry) -> None:
+def test_adopter_result_is_identical_whichever_pass(registry: _StateAdopterRegistry) -> None:
     """Two loads in a row (scaffold, then payload) and a load after training all adopt."""
     optimizer = fresh_standin()
-    load_inner_optimizer_state_dict(Owner(optimizer), cloned_state_dict(trained_standin()), registry)
+    _load_inner_state(Owner(optimizer), cloned_state_dict(trained_standin()), registry)
     first = state_tensors(optimizer)
-    load_inner_optimizer_state_dict(Owner(optimizer), optimizer.state_dict(), registry)
+    _load_inner_state(Owner(optimizer), optimizer.state_dict(), registry)
     assert all(a is b for a, b in zip(state_tensors(optimizer), first))
     assert optimizer.allocations == 0
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for param in params:
         param.grad = torch.ones_like(param)
     optimizer.step()
-    load_inner_optimizer_state_dict(Owner(optimizer), optimizer.state_dict(), registry)
+    _load_inner_state(Owner(optimizer), optimizer.state_dict(), registry)
     assert all(a is b for a, b in zip(state_tensors(optimizer), first)) and optimizer.allocations == 0

@@ -25,12 +25,12 @@ from builders import (
 )
 from fused_adam_standin import FusedAdamStandIn
 
-from megatron.core.optimizer.state_adoption import (
-    StateAdoptionContext,
+from megatron.core.optimizer.state_adoption import StateAdoptionContext
+from megatron.core.optimizer.state_adoption.loader import _load_inner_state
+from megatron.core.optimizer.state_adoption.te_fused_adam import (
+    _TE_FUSED_ADAM_MODULE,
     TEFusedAdamFP32StateAdopter,
-    load_inner_optimizer_state_dict,
 )
-from megatron.core.optimizer.state_adoption.te_fused_adam import TE_FUSED_ADAM_MODULE
 
 
 def _eligible() -> tuple:
@@ -343,9 +343,9 @@ def test_declines_with_reason(case: str) -> None:
 
 def test_te_module_loaded_but_optimizer_is_not_te(monkeypatch: pytest.MonkeyPatch) -> None:
     """With TE's module imported (here: a module object standing in), the class is found there."""
-    fake_module = types.ModuleType(TE_FUSED_ADAM_MODULE)
+    fake_module = types.ModuleType(_TE_FUSED_ADAM_MODULE)
     fake_module.FusedAdam = FusedAdamStandIn
-    monkeypatch.setitem(__import__("sys").modules, TE_FUSED_ADAM_MODULE, fake_module)
+    monkeypatch.setitem(__import__("sys").modules, _TE_FUSED_ADAM_MODULE, fake_module)
     optimizer, state_dict = _eligible()
     context = make_context(optimizer, state_dict)
     cuda_adopter = TEFusedAdamFP32StateAdopter()
@@ -359,7 +359,7 @@ def test_declined_state_is_loaded_by_the_optimizers_own_loader(case: str, regist
     context, _ = build()
     optimizer = context.optimizer
     owner = Owner(optimizer, context.config, context.ddp_config, context.is_stub_optimizer)
-    load_inner_optimizer_state_dict(owner, dict(context.state_dict), registry)
+    _load_inner_state(owner, dict(context.state_dict), registry)
     assert optimizer.allocations == sum(len(s) for s in context.state_dict["state"].values())
     incoming = context.state_dict["state"]
     for index, param in enumerate(fresh_params_of(optimizer)):
@@ -377,7 +377,7 @@ def test_declined_per_param_step_reaches_te_loader_which_raises_as_upstream(regi
         context.optimizer.load_state_dict(cloned := {**context.state_dict})
     optimizer = fresh_standin()
     with pytest.raises(KeyError, match="step"):
-        load_inner_optimizer_state_dict(Owner(optimizer), cloned, registry)
+        _load_inner_state(Owner(optimizer), cloned, registry)
 
 
 def test_context_for_owner_reads_the_owner() -> None:

@@ -27,13 +27,9 @@ from mcore_runs import (
 )
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.optimizer.state_adoption import (
-    StateAdopterRegistry,
-    load_inner_optimizer_state_dict,
-    register_state_adopter,
-    registered_state_adopters,
-)
-from megatron.core.optimizer.state_adoption.loader import DISABLE_ENV_VAR
+from megatron.core.optimizer.state_adoption import register_state_adopter, registered_state_adopters
+from megatron.core.optimizer.state_adoption.loader import _load_inner_state
+from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry
 from megatron.core.optimizer.state_adoption.testing import assert_adoption_matches_own_loader
 
 pytestmark = gpu_only
@@ -104,11 +100,11 @@ def test_payload_pass_keeps_held_state_equal_to_te_loader(mode: str) -> None:
 def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) -> None:
     adopted, by_te = _loaded(mode), _loaded(mode)
     held = state_tensors(adopted)
-    registry = StateAdopterRegistry(entry_point_group=None)
+    registry = _StateAdopterRegistry(entry_point_group=None)
     registry.register(_adopter())
     peaks = []
     for optimizer, load in (
-        (adopted, lambda sd: load_inner_optimizer_state_dict(Owner(adopted, config=PRECISION_AWARE), sd, registry)),
+        (adopted, lambda sd: _load_inner_state(Owner(adopted, config=PRECISION_AWARE), sd, registry)),
         (by_te, by_te.load_state_dict),
     ):
         state_dict = optimizer.state_dict()
@@ -144,9 +140,9 @@ def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog,
         peaks = {}
         for label in ("te_loader", "plugin"):
             if label == "te_loader":
-                monkeypatch.setenv(DISABLE_ENV_VAR, "1")
+                monkeypatch.setenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", "1")
             else:
-                monkeypatch.delenv(DISABLE_ENV_VAR)
+                monkeypatch.delenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION")
             caplog.clear()
             start = allocated_now()
             model_chunks, optimizer = build_gpt_and_optimizer(case)

@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from gpu_requirements import gpu_only
 from mcore_runs import adoption_messages, digests, free_cuda, train_save_control
 
-from megatron.core.optimizer.state_adoption.loader import DISABLE_ENV_VAR
 
 pytestmark = gpu_only
 
@@ -100,11 +99,11 @@ def _load_outcome(case: Any, checkpoint_dir: Path) -> Outcome:
 
 def _ours_and_upstream(case: Any, checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Tuple[Outcome, Outcome]:
     files = _file_hashes(checkpoint_dir)
-    monkeypatch.delenv(DISABLE_ENV_VAR, raising=False)
+    monkeypatch.delenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", raising=False)
     ours = _load_outcome(case, checkpoint_dir)
-    monkeypatch.setenv(DISABLE_ENV_VAR, "1")
+    monkeypatch.setenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", "1")
     upstream = _load_outcome(case, checkpoint_dir)
-    monkeypatch.delenv(DISABLE_ENV_VAR)
+    monkeypatch.delenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION")
     assert _file_hashes(checkpoint_dir) == files, "a load changed the checkpoint on disk"
     print(f"outcome: {ours[0]}" + (f" {ours[1]}: {ours[2][:300]}" if ours[0] == "error" else ""))
     return ours, upstream
@@ -194,9 +193,9 @@ def test_twenty_load_cycles_keep_cuda_memory_flat_and_objects_as_upstream(tmp_pa
     runs = {}
     for label in ("upstream", "ours"):  # upstream's path first: it warms the caches
         if label == "upstream":
-            monkeypatch.setenv(DISABLE_ENV_VAR, "1")
+            monkeypatch.setenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", "1")
         else:
-            monkeypatch.delenv(DISABLE_ENV_VAR)
+            monkeypatch.delenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION")
         runs[label] = _load_cycles(case, tmp_path / "checkpoint", caplog, control["saved"], label == "ours")
     for label, (allocated, objects, growth) in runs.items():
         print(f"{label}: allocated {allocated}; objects {objects}; growth by type (cycles 10-20) {dict(growth)}")

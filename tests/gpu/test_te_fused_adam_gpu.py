@@ -9,11 +9,9 @@ from builders import Owner, make_context
 from gpu_requirements import gpu_only
 from te_optimizers import bitwise_equal, params_of, random_step, state_tensors
 
-from megatron.core.optimizer.state_adoption import (
-    StateAdopterRegistry,
-    TEFusedAdamFP32StateAdopter,
-    load_inner_optimizer_state_dict,
-)
+from megatron.core.optimizer.state_adoption.loader import _load_inner_state
+from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry
+from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 pytestmark = gpu_only
 
@@ -80,9 +78,9 @@ def test_te_own_loader_allocates_a_second_copy() -> None:
 def test_adopted_state_and_next_step_equal_te_loader() -> None:
     trained = _trained()
     adopted, by_te = _fused_adam(), _fused_adam()
-    registry = StateAdopterRegistry(entry_point_group=None)
+    registry = _StateAdopterRegistry(entry_point_group=None)
     registry.register(TEFusedAdamFP32StateAdopter())
-    load_inner_optimizer_state_dict(Owner(adopted), _payload(trained), registry)
+    _load_inner_state(Owner(adopted), _payload(trained), registry)
     by_te.load_state_dict(_payload(trained))
     assert bitwise_equal(state_tensors(adopted), state_tensors(by_te))
     assert [g["step"] for g in adopted.param_groups] == [g["step"] for g in by_te.param_groups]
@@ -117,10 +115,10 @@ def test_fallback_modes_keep_te_loader_and_its_result(mode: str, caplog) -> None
     trained = _trained(**kwargs)
     ours, upstream = _fused_adam(**kwargs), _fused_adam(**kwargs)
     assert TEFusedAdamFP32StateAdopter().decline_reason(make_context(ours, _payload(trained))) is not None
-    registry = StateAdopterRegistry(entry_point_group=None)
+    registry = _StateAdopterRegistry(entry_point_group=None)
     registry.register(TEFusedAdamFP32StateAdopter())
     with caplog.at_level(logging.INFO, logger="megatron.core.optimizer.state_adoption"):
-        load_inner_optimizer_state_dict(Owner(ours), _payload(trained), registry)
+        _load_inner_state(Owner(ours), _payload(trained), registry)
     assert "FusedAdam.load_state_dict loads it" in caplog.text
     upstream.load_state_dict(_payload(trained))
     assert bitwise_equal(state_tensors(ours), state_tensors(upstream))

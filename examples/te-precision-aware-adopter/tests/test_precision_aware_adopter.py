@@ -29,9 +29,14 @@ from megatron.core.distributed.distributed_data_parallel_config import (  # noqa
     DistributedDataParallelConfig,
 )
 from megatron.core.optimizer.state_adoption import (  # noqa: E402
-    StateAdopterRegistry,
     StateAdoptionContext,
+    StateExportContext,
 )
+from megatron.core.optimizer.state_adoption.loader import (  # noqa: E402
+    _export_inner_state,
+    _load_inner_state,
+)
+from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry  # noqa: E402
 from megatron.core.optimizer.state_adoption.testing import (  # noqa: E402
     assert_adoption_matches_own_loader,
     assert_check_is_side_effect_free,
@@ -144,7 +149,7 @@ def test_installed_plugin_is_discovered_through_its_entry_point() -> None:
         distribution("mcore-te-precision-aware-adopter")
     except PackageNotFoundError:
         pytest.skip("the plugin is not installed (pip install examples/te-precision-aware-adopter)")
-    names = [adopter.name for adopter in StateAdopterRegistry().adopters()]
+    names = [adopter.name for adopter in _StateAdopterRegistry().registrations()]
     assert names == ["te_fused_adam_precision_aware"]
 
 
@@ -261,7 +266,122 @@ def test_chunked_store_equals_te_conversion(chunk_elements: int) -> None:
         store_as_te_loads(incoming, held, chunk_elements)
         assert torch.equal(held.view(torch.uint8), expected.view(torch.uint8))
     remainders = torch.randint(-(2**15), 2**15 - 1, (100,), dtype=torch.int16)
+    before = remainders.clone()
     store_as_te_loads(remainders, remainders, chunk_elements)  # the held tensor itself: untouched
+    assert torch.equal(remainders, before)
+    held_bf16 = torch.tensor([0x7F81, 0xFFC1, 0x7F80, -0x8000, 0x3F80], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    expected = held_bf16.float().bfloat16()
+    store_as_te_loads(held_bf16, held_bf16, chunk_elements)  # in place, as TE converts it
+    assert torch.equal(held_bf16.view(torch.int16), expected.view(torch.int16))
     held = torch.zeros(100, dtype=torch.int16)
     store_as_te_loads(remainders, held, chunk_elements)
     assert torch.equal(held, remainders)
+
+
+# --- Export: the state dict MCore reads at the start of a load ---
+
+
+class Owner:
+    """What the loader reads of a DistributedOptimizer (precision-aware configs)."""
+
+    def __init__(self, optimizer: FusedAdamStandIn) -> None:
+        self.optimizer = optimizer
+        self.config = PRECISION_AWARE
+        self.ddp_config = DistributedDataParallelConfig()
+        self.is_stub_optimizer = False
+
+
+def _registry() -> _StateAdopterRegistry:
+    registry = _StateAdopterRegistry(entry_point_group=None)
+    registry.register(_adopter())
+    return registry
+
+
+def _bits(optimizer: FusedAdamStandIn) -> List[List[int]]:
+    return [
+        optimizer.state[p][k].contiguous().view(torch.uint8).tolist()
+        for g in optimizer.param_groups
+        for p in g["params"]
+        for k in sorted(optimizer.state[p])
+    ]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_export_supplies_the_held_tensors_and_te_param_groups(mode: str) -> None:
+    optimizer = _loaded(mode)
+    held = {p: dict(s) for p, s in optimizer.state.items()}
+    context = StateExportContext(optimizer, **_context_kwargs())
+    assert _adopter().export_decline_reason(context) is None
+    exported, avoided = _adopter().export_state_dict(context)
+    by_te = optimizer.state_dict()
+    assert exported["param_groups"] == by_te["param_groups"]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    assert sorted(exported["state"]) == sorted(by_te["state"]) == list(range(len(params)))
+    for index, param in enumerate(params):
+        assert exported["state"][index] == held[param] and exported["state"][index] is not optimizer.state[param]
+        assert all(exported["state"][index][k] is held[param][k] for k in held[param])
+    assert {p: dict(s) for p, s in optimizer.state.items()} == held
+    assert avoided == sum(4 * t.numel() for s in held.values() for t in s.values() if t.dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("nan_payloads", [False, True], ids=["values", "NaN payloads"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_exported_state_loads_to_te_bits_through_either_loader(mode: str, nan_payloads: bool) -> None:
+    """MCore's payload pass: read the state dict, hand it back to the inner load."""
+    made = [_loaded(mode) for _ in range(3)]
+    if nan_payloads:
+        for optimizer in made:
+            _with_bf16_bits(optimizer, [0x7F81, 0xFFC1, 0x7F80, -0x8000])
+    through_plugin, through_te, upstream = made
+    upstream.load_state_dict(upstream.state_dict())  # what upstream MCore does
+
+    held = [t for s in through_plugin.state.values() for t in s.values()]
+    allocations = through_plugin.allocations
+    exported = _export_inner_state(Owner(through_plugin), _registry())
+    outcome = _load_inner_state(Owner(through_plugin), exported, _registry())
+    assert outcome.adopter == "te_fused_adam_precision_aware"
+    assert through_plugin.allocations == allocations  # no new state
+    assert [t for s in through_plugin.state.values() for t in s.values()] == held
+    assert all(a is b for a, b in zip((t for s in through_plugin.state.values() for t in s.values()), held))
+    assert _bits(through_plugin) == _bits(upstream)
+
+    through_te.load_state_dict(_export_inner_state(Owner(through_te), _registry()))  # adoption off
+    assert _bits(through_te) == _bits(upstream)
+    for optimizer in made[1:]:
+        assert [g["step"] for g in optimizer.param_groups] == [g["step"] for g in through_plugin.param_groups]
+
+
+def _instance_state_dict(o: FusedAdamStandIn, ctx: Dict[str, Any]) -> None:
+    o.__dict__["state_dict"] = lambda: torch.optim.Optimizer.state_dict(o)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda o, ctx: o.state.clear(), "holds no state yet"),
+        (lambda o, ctx: o._scales[o.param_groups[0]["params"][0]]["exp_avg"].fill_(2.0), "scale of exp_avg is not one"),
+        (lambda o, ctx: o.state.pop(o.param_groups[0]["params"][1]), "parameter 1: the held state has keys []"),
+        (_instance_state_dict, "instance has its own state_dict"),
+        (lambda o, ctx: ctx.update(config=FP32_MODE), "use_precision_aware_optimizer is not set"),
+        (lambda o, ctx: o.name_to_dtype_map.update(exp_avg=torch.float32), "only BF16 moments"),
+    ],
+    ids=["no state", "scale not one", "a parameter without state", "instance state_dict", "FP32 owner", "FP32 moments"],
+)
+def test_export_declines(change: Any, reason: str) -> None:
+    optimizer = _loaded("BF16 params, master remainders")
+    context_kwargs = _context_kwargs()
+    change(optimizer, context_kwargs)
+    answer = _adopter().export_decline_reason(StateExportContext(optimizer, **context_kwargs))
+    assert answer is not None and reason in answer, answer
+
+
+def test_the_loader_falls_back_to_te_state_dict_when_the_export_declines() -> None:
+    optimizer = _loaded("BF16 params, master remainders")
+    optimizer._scales[optimizer.param_groups[0]["params"][0]]["exp_avg"].fill_(2.0)
+    exported = _export_inner_state(Owner(optimizer), _registry())
+    by_te = optimizer.state_dict()
+    assert all(
+        t.dtype != torch.bfloat16 for entry in exported["state"].values() for t in entry.values()
+    )  # TE's FP32 copies
+    pairs = [(a, b) for e, f in zip(exported["state"].values(), by_te["state"].values()) for a, b in zip(e.values(), f.values())]
+    assert pairs and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs)

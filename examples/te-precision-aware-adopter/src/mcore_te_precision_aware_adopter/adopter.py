@@ -10,11 +10,16 @@ and TE's ``FusedAdam.load_state_dict`` rebuilds the whole state both times:
   ``initialize_state(param, store_param_remainders)`` to lay out each parameter's state and
   TE's per-state scales exactly as TE's loader leaves them, then replaces the freshly
   initialised tensors by the incoming ones (a transient of one parameter's state at a time).
-* **Payload pass.** MCore offers FusedAdam's own ``state_dict()``: FP32 copies of the BF16
-  moments and the held master tensors. TE's loader casts all of it to a whole new state (one
-  more state shard at the load peak). This adopter stores TE's conversion of each FP32 moment
-  into the BF16 tensor already held and installs master tensors by reference (see
-  ``held_state``): the same bits, no new state.
+* **Export, before the payload pass.** MCore reads ``FusedAdam.state_dict()`` only for the
+  param groups and to hand the state back to ``load_state_dict``; TE's ``state_dict()`` makes
+  an FP32 copy of every BF16 moment (8 bytes per parameter, alive at the load peak). As a
+  state exporter this adopter supplies PyTorch's state dict instead: the held tensors as they
+  are (see ``export``).
+* **Payload pass.** MCore offers the exported state: the held tensors themselves (or, if the
+  export was not used, FP32 copies of the BF16 moments). TE's loader would cast all of it to a
+  whole new state (one more state shard at the load peak). This adopter keeps the held
+  tensors, or stores TE's conversion of each FP32 moment into the BF16 tensor already held
+  (see ``held_state``): the same bits, no new state.
 
 Anything it cannot prove equal to TE's result is declined: FP16/FP8 moments (TE rescales
 them), non-FP32 master weights, DTensor or quantized parameters, load-state-dict hooks, a
@@ -22,28 +27,31 @@ held state TE would lay out differently, incoming tensors overlapping held ones,
 non-precision-aware owner (the default FP32 adopter handles that).
 """
 
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from megatron.core.optimizer.state_adoption import StateAdoptionContext
+from megatron.core.optimizer.state_adoption import StateAdoptionContext, StateExportContext
 from megatron.core.optimizer.state_adoption.te_fused_adam import te_fused_adam_decline_reason
 from megatron.core.optimizer.state_adoption.validation import (
     ExpectedState,
     first_decline_reason,
     incoming_state_decline_reason,
-    load_pre_hooks_decline_reason,
+    instance_method_decline_reason,
+    load_hooks_decline_reason,
     owner_decline_reason,
     param_state_pairs,
 )
 
+from .export import held_state_export_decline_reason, state_dict_of_held_tensors
 from .held_state import held_state_decline_reason, load_into_held_state
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class TEFusedAdamPrecisionAwareStateAdopter:
-    """Installs BF16 moments and TE master weights by reference, or loads into the held state.
+    """Installs BF16 moments and TE master weights by reference, or loads into the held state;
+    exports the held state as it is.
 
     Args:
         fused_adam_class (type, optional): the FusedAdam class to recognise; defaults to TE's
@@ -76,25 +84,57 @@ class TEFusedAdamPrecisionAwareStateAdopter:
             (
                 lambda: owner_decline_reason(context, precision_aware=True),
                 lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
+                lambda: instance_method_decline_reason(optimizer, "load_state_dict"),
                 # Post-hooks are declined too: adopt() runs PyTorch's loader without the state.
-                lambda: load_pre_hooks_decline_reason(optimizer, allow_post_hooks=False),
+                lambda: load_hooks_decline_reason(optimizer, allow_post_hooks=False),
                 lambda: _settings_decline_reason(optimizer),
             )
         )
         if reason is not None:
             return reason
+        held_reason = self._held_decline_reason(context)
+        if held_reason is None:
+            return None
         scaffold_reason = self._scaffold_decline_reason(context)
         if scaffold_reason is None:
             return None
-        held_reason = held_state_decline_reason(
-            optimizer,
-            context.state_dict,
-            self._param_decline_reason,
-            lambda param: _expected_state(optimizer, param),
+        return f"cannot load into the held state ({held_reason}); not a scaffold to adopt ({scaffold_reason})"
+
+    def export_decline_reason(self, context: StateExportContext) -> Optional[str]:
+        """Return None if the held state can be exported as it is, else the first failing rule.
+
+        Args:
+            context (StateExportContext): the optimizer and its owner's configs.
+
+        Returns:
+            Optional[str]: None to accept, otherwise why TE's ``state_dict()`` should run.
+        """
+        optimizer = context.optimizer
+        return first_decline_reason(
+            (
+                lambda: owner_decline_reason(context, precision_aware=True),
+                lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
+                lambda: instance_method_decline_reason(optimizer, "state_dict"),
+                lambda: _settings_decline_reason(optimizer),
+                lambda: held_state_export_decline_reason(
+                    optimizer,
+                    self._param_decline_reason,
+                    lambda param: _expected_state(optimizer, param),
+                ),
+            )
         )
-        if held_reason is None:
-            return None
-        return f"not a scaffold to adopt ({scaffold_reason}); cannot load into the held state ({held_reason})"
+
+    def export_state_dict(self, context: StateExportContext) -> Tuple[Dict[str, Any], int]:
+        """Return PyTorch's state dict of the FusedAdam: the held tensors, no FP32 copies.
+
+        Args:
+            context (StateExportContext): a context this adopter accepted.
+
+        Returns:
+            Tuple[Dict[str, Any], int]: the state dict, and the bytes of FP32 copies TE's
+            ``state_dict()`` would have made.
+        """
+        return state_dict_of_held_tensors(context.optimizer)
 
     def adopt(self, context: StateAdoptionContext) -> int:
         """Install the scaffold by reference, or store the payload into the held state.
@@ -107,7 +147,7 @@ class TEFusedAdamPrecisionAwareStateAdopter:
         """
         optimizer: Any = context.optimizer  # TE FusedAdam (checked); its attributes are untyped
         pairs = list(param_state_pairs(optimizer, context.state_dict))
-        adopts_scaffold = self._scaffold_decline_reason(context) is None
+        adopts_scaffold = self._held_decline_reason(context) is not None
         held = {} if adopts_scaffold else {param: optimizer.state[param] for _, param, _ in pairs}
         # PyTorch's loader would cast master weights to the BF16 parameter dtype, so it only
         # installs the param groups here (hyper-parameters and TE's per-group 'step').
@@ -127,6 +167,16 @@ class TEFusedAdamPrecisionAwareStateAdopter:
                 optimizer.state[param] = held[param]
                 installed_bytes += load_into_held_state(held[param], incoming)
         return installed_bytes
+
+    def _held_decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        """None if the incoming values can be loaded into the state the optimizer holds."""
+        optimizer = context.optimizer
+        return held_state_decline_reason(
+            optimizer,
+            context.state_dict,
+            self._param_decline_reason,
+            lambda param: _expected_state(optimizer, param),
+        )
 
     def _scaffold_decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
         """None if the incoming tensors have the held dtypes and can be installed by reference."""

@@ -1,37 +1,46 @@
 """Load MCore's payload pass into the tensors FusedAdam already holds, exactly as TE would.
 
-Megatron-Core's second load pass hands FusedAdam its own ``state_dict()``: TE returns every
-BF16 moment as an FP32 copy and the master weights (FP32, or int16 remainders) as the held
-tensors themselves. TE's loader then allocates a whole new state -- one more state shard at the
-load peak -- and stores each value with ``copy_(value.bfloat16())`` (BF16 states) or
-``copy_(value)`` (FP32 and int16 states). Storing the same conversions, chunk by chunk, into
-the held tensors gives the same bits without the new state.
+Megatron-Core's second load pass hands FusedAdam the state dict it read at the start of the
+load: this package's export (the held tensors themselves) or, without it, TE's own
+``state_dict()``, which returns every BF16 moment as an FP32 copy and the master weights (FP32,
+or int16 remainders) as the held tensors themselves. TE's loader then allocates a whole new
+state -- one more state shard at the load peak -- and stores each value with
+``copy_(value.bfloat16())`` (BF16 states) or ``copy_(value)`` (FP32 and int16 states). Keeping
+the held tensors, or storing the same conversions chunk by chunk into them, gives the same bits
+without the new state.
 """
 
-from typing import Any, Callable, Dict, Mapping, Optional, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set
 
 import torch
 
 from megatron.core.optimizer.state_adoption.validation import (
     ExpectedState,
     one_entry_per_param_decline_reason,
-    optimizer_params,
     param_state_pairs,
-    plain_tensor_decline_reason,
     state_entry_decline_reason,
-    storage_ptr,
 )
 
 #: Elements converted per chunk: bounds the transient of a BF16 store to 8 MiB.
 STORE_CHUNK_ELEMENTS = 1 << 22
 
 
+def optimizer_params(optimizer: Any) -> List[torch.Tensor]:
+    """Every parameter of ``optimizer``, group by group (PyTorch's state-dict order)."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage."""
+    return int(tensor.untyped_storage().data_ptr())
+
+
 def load_into_held_state(held: Dict[str, torch.Tensor], incoming: Mapping[str, torch.Tensor]) -> int:
     """Load one parameter's accepted payload: convert into BF16 states, install the rest.
 
-    An incoming tensor of the held dtype (FP32 master weights, int16 remainders) is installed
-    by reference -- for MCore's payload pass it is the held tensor itself; an FP32 value for a
-    BF16 state is stored into the held tensor with TE's conversion.
+    An incoming tensor of the held dtype that is not the held tensor (FP32 master weights,
+    int16 remainders) is installed by reference. Everything else -- an FP32 value for a BF16
+    state, or the held tensor itself -- is stored into the held tensor with TE's conversion.
 
     Args:
         held (Dict[str, torch.Tensor]): the parameter's state dict, updated in place.
@@ -41,7 +50,7 @@ def load_into_held_state(held: Dict[str, torch.Tensor], incoming: Mapping[str, t
         int: bytes of state TE's loader would have allocated for this parameter.
     """
     for key, value in incoming.items():
-        if value.dtype == held[key].dtype:
+        if value is not held[key] and value.dtype == held[key].dtype:
             held[key] = value
         else:
             store_as_te_loads(value, held[key])
@@ -58,23 +67,25 @@ def store_as_te_loads(
 ) -> None:
     """Store ``incoming`` into ``held`` with the conversion TE's loader applies.
 
-    BF16 states get ``value.bfloat16()`` (round to nearest even, NaNs made canonical), FP32 and
-    int16 states the value unchanged. ``incoming`` is either ``held`` itself (nothing to do) or
-    shares no storage with it.
+    BF16 states get ``value.float().bfloat16()`` (round to nearest even, NaNs made canonical),
+    FP32 and int16 states the value unchanged. ``incoming`` is either ``held`` itself (then a
+    BF16 state is converted in place and anything else is left as it is) or shares no storage
+    with it.
 
     Args:
         incoming (torch.Tensor): the offered value (FP32, or int16 remainders).
         held (torch.Tensor): the state tensor to overwrite; same shape and device.
         chunk_elements (int): elements converted at a time.
     """
-    if incoming is held:
+    converts = held.dtype == torch.bfloat16
+    if incoming is held and not converts:
         return
     flat_incoming, flat_held = incoming.reshape(-1), held.reshape(-1)
     for start in range(0, flat_held.numel(), chunk_elements):
         end = start + chunk_elements
         value = flat_incoming[start:end]
-        if held.dtype == torch.bfloat16:
-            value = value.bfloat16()
+        if converts:
+            value = value.float().bfloat16()
         flat_held[start:end].copy_(value)
 
 
@@ -90,10 +101,10 @@ def held_state_decline_reason(
     accepted by ``param_decline_reason``, one incoming entry per parameter), a held state
     with exactly the keys and dtypes of ``expected_state(param)`` in plain tensors shaped like
     the parameter (no two sharing a storage with each other or a parameter), each non-FP32
-    state's scale equal to one (what TE's loader resets it to), and incoming values in the
-    dtypes FusedAdam's ``state_dict()`` produces, each either the held tensor itself or
-    sharing no storage with any held tensor (nor, if it is to be installed by reference, with
-    a parameter or another such tensor).
+    state's scale equal to one (what TE's loader resets it to), and incoming values that are
+    either the held tensors themselves (this package's export) or in the dtypes FusedAdam's
+    ``state_dict()`` produces, sharing no storage with any held tensor (nor, if it is to be
+    installed by reference, with a parameter or another such tensor).
 
     Args:
         optimizer (Any): the TE FusedAdam (its type and settings already checked).
@@ -116,7 +127,7 @@ def held_state_decline_reason(
     seen_storages = set(param_storages)
     held_states = [optimizer.state.get(param) for _, param, _ in pairs]
     for (index, param, incoming), held in zip(pairs, held_states):
-        reason = _held_entry_decline_reason(param, held, expected_state(param), scales, seen_storages)
+        reason = held_entry_decline_reason(param, held, expected_state(param), scales, seen_storages)
         if reason is None:
             reason = _incoming_entry_decline_reason(param, incoming, held)
         if reason is not None:
@@ -140,14 +151,25 @@ def held_state_decline_reason(
     return None
 
 
-def _held_entry_decline_reason(
+def held_entry_decline_reason(
     param: torch.Tensor,
     held: Any,
     expected: ExpectedState,
     scales: Mapping[Any, Any],
     seen_storages: Set[int],
 ) -> Optional[str]:
-    """Check one parameter's held state; add its storages to ``seen_storages``."""
+    """Check one parameter's held state; add its storages to ``seen_storages``.
+
+    Args:
+        param (torch.Tensor): the parameter.
+        held (Any): its held state (None if it has none).
+        expected (ExpectedState): the keys and dtypes TE lays out for it.
+        scales (Mapping[Any, Any]): FusedAdam's per-parameter state scales.
+        seen_storages (Set[int]): storages no held tensor may share; updated.
+
+    Returns:
+        Optional[str]: None if the held state is what TE's loader would leave, else why not.
+    """
     if held is not None and not isinstance(held, dict):
         return f"the held state is a {type(held).__name__}, not a dict"
     reason = state_entry_decline_reason(param, held or {}, expected, seen_storages, "held")
@@ -172,8 +194,7 @@ def _incoming_entry_decline_reason(
     """Check one parameter's incoming state against its (checked) held state."""
     if not isinstance(incoming, Mapping) or set(incoming) != set(held):
         return f"the incoming state does not have exactly the keys {sorted(held)}"
-    for key, tensor in held.items():
-        reason = plain_tensor_decline_reason(incoming[key], incoming_dtype_for(tensor.dtype), param)
-        if reason is not None:
-            return f"incoming {key} {reason}"
-    return None
+    converted = {key: value for key, value in incoming.items() if value is not held[key]}
+    expected = {key: incoming_dtype_for(held[key].dtype) for key in converted}
+    reason = state_entry_decline_reason(param, converted, expected, set(), "incoming")
+    return None if reason is None or reason.startswith("the incoming") else f"incoming {reason}"

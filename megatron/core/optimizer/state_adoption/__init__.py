@@ -1,40 +1,46 @@
 """Optimizer-state adoption for ``DistributedOptimizer`` checkpoint loading.
 
 While a ``DistributedOptimizer`` loads its inner optimizer's state (both when it builds the
-scaffold for a sharded checkpoint and after the checkpoint was read), it hands the
-assembled ``{"state", "param_groups"}`` dict to :func:`load_inner_optimizer_state_dict`.
-The first registered :class:`StateAdopter` that accepts installs the state; otherwise the
-inner optimizer's own ``load_state_dict`` runs unchanged.
+scaffold for a sharded checkpoint and after the checkpoint was read), it reads the inner
+state dict through :func:`export_inner_optimizer_state_dict` and hands the assembled
+``{"state", "param_groups"}`` dict to :func:`load_inner_optimizer_state_dict`. The first
+registered :class:`StateAdopter` that accepts installs the state (and, if it is also a
+:class:`StateExporter`, may supply the state dict); otherwise the inner optimizer's own
+``load_state_dict``/``state_dict`` runs unchanged. Each call's
+:class:`StateAdoptionOutcome` goes to the hooks registered with
+:func:`register_outcome_hook`.
 
-Registered by default: :class:`TEFusedAdamFP32StateAdopter`, which installs FP32 Adam
-moments into Transformer Engine's FusedAdam by reference instead of letting TE allocate a
-second copy (8 bytes per parameter of transient memory). Set
-``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1`` to switch all adoption off.
+Registered by default: the ``te_fused_adam_fp32`` adopter
+(:class:`~.te_fused_adam.TEFusedAdamFP32StateAdopter`), which installs FP32 Adam moments
+into Transformer Engine's FusedAdam by reference instead of letting TE allocate a second copy
+(8 bytes per parameter of transient memory). ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1``
+switches all adoption off; ``MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,...`` skips the
+named adopters.
 """
 
-from .adopter import StateAdopter, StateAdoptionContext
-from .loader import DISABLE_ENV_VAR, load_inner_optimizer_state_dict, state_adoption_disabled
+from .adopter import StateAdopter, StateAdoptionContext, StateExportContext, StateExporter
+from .loader import export_inner_optimizer_state_dict, load_inner_optimizer_state_dict
+from .outcome import StateAdoptionOutcome, register_outcome_hook
 from .registry import (
-    ENTRY_POINT_GROUP,
-    StateAdopterRegistry,
-    default_registry,
+    _DEFAULT_REGISTRY,
+    StateAdopterRegistration,
     register_state_adopter,
     registered_state_adopters,
 )
 from .te_fused_adam import TEFusedAdamFP32StateAdopter
 
-register_state_adopter(TEFusedAdamFP32StateAdopter())
+_DEFAULT_REGISTRY.register(TEFusedAdamFP32StateAdopter(), origin="built-in")
 
 __all__ = [
-    "DISABLE_ENV_VAR",
-    "ENTRY_POINT_GROUP",
     "StateAdopter",
-    "StateAdopterRegistry",
+    "StateAdopterRegistration",
     "StateAdoptionContext",
-    "TEFusedAdamFP32StateAdopter",
-    "default_registry",
+    "StateAdoptionOutcome",
+    "StateExportContext",
+    "StateExporter",
+    "export_inner_optimizer_state_dict",
     "load_inner_optimizer_state_dict",
+    "register_outcome_hook",
     "register_state_adopter",
     "registered_state_adopters",
-    "state_adoption_disabled",
 ]

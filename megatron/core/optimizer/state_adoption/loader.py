@@ -1,32 +1,38 @@
-"""The single entry point ``DistributedOptimizer.load_state_dict`` calls.
+"""The two functions ``DistributedOptimizer.load_state_dict`` calls.
 
-It offers the assembled inner state dict to the registered adopters in order. The first
-adopter that accepts installs it; if none accepts, if adoption is switched off, or if the
-accepting adopter fails while installing, the inner optimizer's own ``load_state_dict``
-runs exactly as it would without this module.
+:func:`export_inner_optimizer_state_dict` stands where it reads the inner optimizer's state
+dict, :func:`load_inner_optimizer_state_dict` where it loads the assembled state into the
+inner optimizer. Each offers the call to the registered adopters in order; the first that
+accepts handles it. If none accepts, if adoption is switched off, or if the accepting
+adopter fails, the inner optimizer's own ``state_dict``/``load_state_dict`` runs exactly as
+it would without this module. Neither ever bypasses a ``state_dict``/``load_state_dict``
+set on the optimizer *instance* (e.g. by a wrapper), because upstream would call it.
 """
 
 import logging
-import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
 
 from megatron.core.utils import log_single_rank
 
-from .adopter import StateAdopter, StateAdoptionContext
-from .registry import StateAdopterRegistry, default_registry
+from .adopter import StateAdoptionContext, StateExportContext, StateExporter
+from .outcome import EXPORT_HOOK_POINT, LOAD_HOOK_POINT, StateAdoptionOutcome, _report_outcome
+from .registry import _DEFAULT_REGISTRY, StateAdopterRegistration, _StateAdopterRegistry
+from .settings import (
+    _DISABLE_ENV_VAR,
+    _DISABLED_ADOPTERS_ENV_VAR,
+    _adoption_switched_off,
+    _disabled_adopter_names,
+)
+from .validation import _param_groups_decline_reason, instance_method_decline_reason
+
+__all__ = ["export_inner_optimizer_state_dict", "load_inner_optimizer_state_dict"]
 
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV_VAR = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
-"""Set to 1/true/yes/on to make every load use the inner optimizer's own loader."""
-
-
-def state_adoption_disabled() -> bool:
-    """Return True if the kill switch :data:`DISABLE_ENV_VAR` is set."""
-    return os.environ.get(DISABLE_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+_Context = TypeVar("_Context", StateAdoptionContext, StateExportContext)
 
 
 @dataclass
@@ -80,14 +86,14 @@ def _copy_containers(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     return copied
 
 
-def _decline_reason(adopter: StateAdopter, context: StateAdoptionContext) -> Optional[str]:
-    """Ask ``adopter``; a check that raises or answers nonsense counts as a decline."""
+def _ask(name: str, check: Callable[[_Context], object], context: _Context) -> Optional[str]:
+    """Run an adopter's check; one that raises or answers nonsense counts as a decline."""
     try:
-        reason: object = adopter.decline_reason(context)
+        reason = check(context)
     except Exception as error:
         logger.warning(
             "Optimizer state adopter %r raised in its check and is skipped: %s: %s",
-            adopter.name,
+            name,
             type(error).__name__,
             error,
         )
@@ -97,84 +103,258 @@ def _decline_reason(adopter: StateAdopter, context: StateAdoptionContext) -> Opt
     logger.warning(
         "Optimizer state adopter %r returned %r from its check instead of None or a reason; "
         "treating it as a decline",
-        adopter.name,
+        name,
         reason,
     )
     return f"check returned {type(reason).__name__} instead of None or a reason"
 
 
-def _adopt(adopter: StateAdopter, context: StateAdoptionContext) -> Optional[int]:
-    """Let ``adopter`` install the state; on any failure roll back and return None."""
+def _byte_count_problem(count: object, method: str) -> Optional[str]:
+    """Why ``count`` (returned by ``method``) is not a non-negative int, or None."""
+    if isinstance(count, bool) or not isinstance(count, int):
+        return f"{method}() returned {count!r} instead of a byte count"
+    if count < 0:
+        return f"{method}() returned a negative byte count {count}"
+    return None
+
+
+def _install(registration: StateAdopterRegistration, context: StateAdoptionContext) -> Optional[int]:
+    """Let the adopter install the state; on any failure roll back and return None."""
     snapshot = _OptimizerSnapshot.capture(context.optimizer)
     try:
-        avoided_bytes: object = adopter.adopt(context)
-        if isinstance(avoided_bytes, bool) or not isinstance(avoided_bytes, int):
-            raise TypeError(f"adopt() returned {avoided_bytes!r} instead of a byte count")
-        if avoided_bytes < 0:
-            raise ValueError(f"adopt() returned a negative byte count {avoided_bytes}")
+        avoided_bytes: object = registration.adopter.adopt(context)
+        problem = _byte_count_problem(avoided_bytes, "adopt")
+        if problem is not None:
+            raise TypeError(problem)
     except Exception as error:
         snapshot.restore(context.optimizer)
         logger.warning(
             "Optimizer state adopter %r failed while installing the state (%s: %s); the "
             "optimizer was restored and %s.load_state_dict loads the state instead",
-            adopter.name,
+            registration.name,
             type(error).__name__,
             error,
             type(context.optimizer).__name__,
         )
         return None
+    assert isinstance(avoided_bytes, int)
     return avoided_bytes
 
 
-def load_inner_optimizer_state_dict(
-    owner: Any, state_dict: Dict[str, Any], registry: Optional[StateAdopterRegistry] = None
-) -> None:
+def _exported(
+    registration: StateAdopterRegistration, exporter: StateExporter, context: StateExportContext
+) -> Optional[Tuple[Dict[str, Any], int]]:
+    """Let the exporter supply the state dict; on any failure roll back and return None."""
+    optimizer = context.optimizer
+    snapshot = _OptimizerSnapshot.capture(optimizer)
+    try:
+        exported: object = exporter.export_state_dict(context)
+        if not (isinstance(exported, tuple) and len(exported) == 2):
+            raise TypeError("export_state_dict() did not return (state dict, byte count)")
+        state_dict, avoided_bytes = exported
+        problem = _byte_count_problem(avoided_bytes, "export_state_dict")
+        if problem is None and not isinstance(state_dict, dict):
+            problem = f"export_state_dict() returned a {type(state_dict).__name__}, not a dict"
+        if problem is None:
+            problem = _param_groups_decline_reason(optimizer, state_dict)
+        if problem is not None:
+            raise TypeError(problem)
+    except Exception as error:
+        snapshot.restore(optimizer)
+        logger.warning(
+            "Optimizer state adopter %r failed to export the state (%s: %s); %s.state_dict "
+            "is used instead",
+            registration.name,
+            type(error).__name__,
+            error,
+            type(optimizer).__name__,
+        )
+        return None
+    return state_dict, avoided_bytes
+
+
+def _fallback_reason(
+    declines: List[Tuple[str, str]], instance_reason: Optional[str], failure: Optional[str]
+) -> str:
+    """Why the optimizer's own method runs, in one phrase."""
+    if failure is not None:
+        return failure
+    if instance_reason is not None:
+        return instance_reason
+    return "every adopter declined" if declines else "no adopter is registered"
+
+
+def _finish(outcome: StateAdoptionOutcome, level: int) -> StateAdoptionOutcome:
+    """Log ``outcome`` for people (rank 0) and hand it to the outcome hooks (every rank)."""
+    for name, reason in outcome.declines:
+        log_single_rank(logger, logging.DEBUG, "Optimizer state adopter %r declined: %s", name, reason)
+    verb = "installed" if outcome.hook_point == LOAD_HOOK_POINT else "exported"
+    if outcome.adopter is not None:
+        log_single_rank(
+            logger,
+            level,
+            "Optimizer state adopter %r %s the %s state, avoiding %d bytes (%.1f MiB) of "
+            "allocation",
+            outcome.adopter,
+            verb,
+            outcome.optimizer,
+            outcome.avoided_bytes,
+            outcome.avoided_bytes / 2**20,
+        )
+    else:
+        method = "load_state_dict" if outcome.hook_point == LOAD_HOOK_POINT else "state_dict"
+        log_single_rank(
+            logger,
+            level,
+            "No optimizer state adopter %s the state (%s): %s.%s runs",
+            verb,
+            outcome.fallback_reason,
+            outcome.optimizer,
+            method,
+        )
+    _report_outcome(outcome)
+    return outcome
+
+
+def _skip_reason(
+    registration: StateAdopterRegistration,
+    check: Callable[[_Context], object],
+    context: _Context,
+    instance_reason: Optional[str],
+) -> Optional[str]:
+    """Why ``registration``'s adopter is skipped for ``context``, or None to use it."""
+    if registration.name in _disabled_adopter_names():
+        return f"disabled by {_DISABLED_ADOPTERS_ENV_VAR}"
+    reason = _ask(registration.name, check, context)
+    if reason is None and instance_reason is not None:
+        logger.warning(
+            "Optimizer state adopter %r accepted although %s; the instance's method runs",
+            registration.name,
+            instance_reason,
+        )
+        return f"accepted, but not used: {instance_reason}"
+    return reason
+
+
+def _load_inner_state(
+    owner: Any, state_dict: Dict[str, Any], registry: _StateAdopterRegistry
+) -> StateAdoptionOutcome:
+    """:func:`load_inner_optimizer_state_dict` with the adopters of ``registry``."""
+    optimizer = owner.optimizer
+    optimizer_name = type(optimizer).__name__
+    if _adoption_switched_off():
+        optimizer.load_state_dict(state_dict)
+        return _finish(
+            StateAdoptionOutcome(
+                LOAD_HOOK_POINT, optimizer_name, None, fallback_reason=f"{_DISABLE_ENV_VAR} is set"
+            ),
+            logging.DEBUG,
+        )
+    instance_reason = instance_method_decline_reason(optimizer, "load_state_dict")
+    context = StateAdoptionContext.for_owner(owner, state_dict)
+    declines: List[Tuple[str, str]] = []
+    failure: Optional[str] = None
+    own_loader_input = state_dict
+    for registration in registry.registrations():
+        reason = _skip_reason(registration, registration.adopter.decline_reason, context, instance_reason)
+        if reason is None:
+            try:
+                pristine = _copy_containers(state_dict)
+            except Exception as error:  # malformed input: the own loader reports it
+                reason = f"the state dict cannot be copied for a rollback: {error!r}"
+        if reason is not None:
+            declines.append((registration.name, reason))
+            continue
+        avoided_bytes = _install(registration, context)
+        if avoided_bytes is not None:
+            return _finish(
+                StateAdoptionOutcome(
+                    LOAD_HOOK_POINT, optimizer_name, registration.name, avoided_bytes, tuple(declines)
+                ),
+                logging.INFO,
+            )
+        failure = f"adopter {registration.name!r} failed while installing the state"
+        own_loader_input = pristine
+        break
+    optimizer.load_state_dict(own_loader_input)
+    reason = _fallback_reason(declines, instance_reason, failure)
+    return _finish(
+        StateAdoptionOutcome(
+            LOAD_HOOK_POINT, optimizer_name, None, declines=tuple(declines), fallback_reason=reason
+        ),
+        logging.INFO,
+    )
+
+
+def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str, Any]:
+    """:func:`export_inner_optimizer_state_dict` with the adopters of ``registry``."""
+    optimizer = owner.optimizer
+    optimizer_name = type(optimizer).__name__
+    if _adoption_switched_off():
+        own: Dict[str, Any] = optimizer.state_dict()
+        _finish(
+            StateAdoptionOutcome(
+                EXPORT_HOOK_POINT, optimizer_name, None, fallback_reason=f"{_DISABLE_ENV_VAR} is set"
+            ),
+            logging.DEBUG,
+        )
+        return own
+    instance_reason = instance_method_decline_reason(optimizer, "state_dict")
+    context = StateExportContext.for_owner(owner)
+    declines: List[Tuple[str, str]] = []
+    failure: Optional[str] = None
+    for registration in registry.registrations():
+        exporter = registration.adopter
+        if not isinstance(exporter, StateExporter):
+            continue
+        reason = _skip_reason(registration, exporter.export_decline_reason, context, instance_reason)
+        if reason is not None:
+            declines.append((registration.name, reason))
+            continue
+        exported = _exported(registration, exporter, context)
+        if exported is not None:
+            state_dict, avoided_bytes = exported
+            _finish(
+                StateAdoptionOutcome(
+                    EXPORT_HOOK_POINT, optimizer_name, registration.name, avoided_bytes, tuple(declines)
+                ),
+                logging.INFO,
+            )
+            return state_dict
+        failure = f"adopter {registration.name!r} failed to export the state"
+        break
+    own = optimizer.state_dict()
+    reason = _fallback_reason(declines, instance_reason, failure)
+    _finish(
+        StateAdoptionOutcome(
+            EXPORT_HOOK_POINT, optimizer_name, None, declines=tuple(declines), fallback_reason=reason
+        ),
+        logging.DEBUG,
+    )
+    return own
+
+
+def load_inner_optimizer_state_dict(owner: Any, state_dict: Dict[str, Any]) -> StateAdoptionOutcome:
     """Load ``state_dict`` into ``owner.optimizer`` through the first accepting adopter.
 
     Args:
         owner (Any): the ``DistributedOptimizer`` whose inner optimizer is loaded.
         state_dict (Dict[str, Any]): the assembled ``{"state", "param_groups"}`` dict.
-        registry (StateAdopterRegistry, optional): the adopters to consult; defaults to
-            the process-wide registry.
+
+    Returns:
+        StateAdoptionOutcome: which adopter installed the state, or why the optimizer's own
+        ``load_state_dict`` did (also handed to the outcome hooks).
     """
-    optimizer = owner.optimizer
-    loader_name = f"{type(optimizer).__name__}.load_state_dict"
-    if state_adoption_disabled():
-        log_single_rank(
-            logger, logging.DEBUG, "%s=1: %s loads the optimizer state", DISABLE_ENV_VAR, loader_name
-        )
-        optimizer.load_state_dict(state_dict)
-        return
+    return _load_inner_state(owner, state_dict, _DEFAULT_REGISTRY)
 
-    try:
-        pristine_state_dict = _copy_containers(state_dict)
-    except Exception:  # malformed input: let the optimizer's own loader report it
-        optimizer.load_state_dict(state_dict)
-        return
-    context = StateAdoptionContext.for_owner(owner, state_dict)
-    for adopter in (registry or default_registry()).adopters():
-        reason = _decline_reason(adopter, context)
-        if reason is not None:
-            log_single_rank(
-                logger, logging.DEBUG, "Optimizer state adopter %r declined: %s", adopter.name, reason
-            )
-            continue
-        avoided_bytes = _adopt(adopter, context)
-        if avoided_bytes is not None:
-            log_single_rank(
-                logger,
-                logging.INFO,
-                "Optimizer state adopter %r installed the %s state, avoiding %d bytes "
-                "(%.1f MiB) of allocation",
-                adopter.name,
-                type(optimizer).__name__,
-                avoided_bytes,
-                avoided_bytes / 2**20,
-            )
-            return
-        break
 
-    log_single_rank(
-        logger, logging.INFO, "No optimizer state adopter installed the state: %s loads it", loader_name
-    )
-    optimizer.load_state_dict(pristine_state_dict)
+def export_inner_optimizer_state_dict(owner: Any) -> Dict[str, Any]:
+    """Return ``owner.optimizer``'s state dict, from the first accepting exporter.
+
+    Args:
+        owner (Any): the ``DistributedOptimizer`` whose inner optimizer's state dict is read.
+
+    Returns:
+        Dict[str, Any]: the exporter's state dict, or ``owner.optimizer.state_dict()``.
+    """
+    return _export_inner_state(owner, _DEFAULT_REGISTRY)

@@ -8,10 +8,18 @@ incoming tensors already have the exact dtype, device and shape TE would allocat
 TE's ``step`` uses FP32 state tensors as they are. This adopter then runs only PyTorch's
 loader, which installs them by reference, and skips the copy. Any other configuration is
 declined and keeps TE's own loader.
+
+Transformer Engine releases (docs/te-releases.md records what each one does): every release
+from 1.13 to 2.20 allocates and copies on load and never casts or scales FP32 state.
+``name_to_dtype_map`` and the boolean ``master_weights`` exist since 1.13.
+``store_param_remainders`` arrived in 2.1 together with the whole param-remainder mode, so
+only in 1.13, 1.14 and 2.0 does a missing attribute mean "off"; from 2.1 on TE always sets
+it, and a FusedAdam without it is something this adopter does not know and declines.
 """
 
+import re
 import sys
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
 
 import torch
 
@@ -20,17 +28,20 @@ from .validation import (
     ExpectedState,
     first_decline_reason,
     incoming_state_decline_reason,
-    load_pre_hooks_decline_reason,
+    instance_method_decline_reason,
+    load_hooks_decline_reason,
     owner_decline_reason,
     param_state_pairs,
 )
 
-TE_FUSED_ADAM_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+__all__ = ["TEFusedAdamFP32StateAdopter", "te_fused_adam_decline_reason"]
+
+_TE_FUSED_ADAM_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 # FusedAdam methods that allocate, scale or expose state; a subclass overriding any of them
 # may rely on TE's loader running.
-TE_STATE_METHODS = (
+_TE_STATE_METHODS = (
     "load_state_dict",
     "state_dict",
     "initialize_state",
@@ -40,12 +51,18 @@ TE_STATE_METHODS = (
     "_apply_scale",
 )
 
-_FP32_MOMENTS: ExpectedState = {key: torch.float32 for key in MOMENT_KEYS}
+_TE_PACKAGE = "transformer_engine"
+
+# Releases without store_param_remainders, where TE has no param-remainder mode at all
+# (TE commit e5369541e, first released in 2.1, added the attribute and the mode together).
+_RELEASES_WITHOUT_REMAINDERS = ((1, 13), (2, 1))
+
+_FP32_MOMENTS: ExpectedState = {key: torch.float32 for key in _MOMENT_KEYS}
 
 
-def loaded_te_fused_adam_class() -> Optional[type]:
+def _loaded_te_fused_adam_class() -> Optional[type]:
     """Return TE's FusedAdam if TE has already been imported, without importing it."""
-    module = sys.modules.get(TE_FUSED_ADAM_MODULE)
+    module = sys.modules.get(_TE_FUSED_ADAM_MODULE)
     fused_adam = getattr(module, "FusedAdam", None)
     return fused_adam if isinstance(fused_adam, type) else None
 
@@ -63,13 +80,13 @@ def te_fused_adam_decline_reason(
     Returns:
         Optional[str]: None if ``optimizer`` handles state exactly as FusedAdam does.
     """
-    fused_adam = fused_adam_class or loaded_te_fused_adam_class()
+    fused_adam = fused_adam_class or _loaded_te_fused_adam_class()
     if fused_adam is None:
         return "Transformer Engine's FusedAdam is not loaded"
     optimizer_class = type(optimizer)
     if not issubclass(optimizer_class, fused_adam):
         return f"the inner optimizer is {optimizer_class.__qualname__}, not FusedAdam"
-    for method in TE_STATE_METHODS:
+    for method in _TE_STATE_METHODS:
         if getattr(optimizer_class, method, None) is not getattr(fused_adam, method, None):
             return f"{optimizer_class.__qualname__} overrides FusedAdam.{method}"
     return None
@@ -83,15 +100,22 @@ class TEFusedAdamFP32StateAdopter:
             Transformer Engine's, looked up among the imported modules at check time (TE is
             never imported by this adopter). Tests on machines without TE pass a stand-in.
         param_device_type (str): device type every inner parameter and moment must be on.
+        te_version (str, optional): the Transformer Engine release the class comes from.
+            Defaults to ``transformer_engine.__version__`` of the imported TE, read at check
+            time. Tests with a stand-in of an older release pass it.
     """
 
     name = "te_fused_adam_fp32"
 
     def __init__(
-        self, fused_adam_class: Optional[type] = None, param_device_type: str = "cuda"
+        self,
+        fused_adam_class: Optional[type] = None,
+        param_device_type: str = "cuda",
+        te_version: Optional[str] = None,
     ) -> None:
         self._fused_adam_class = fused_adam_class
         self._param_device_type = param_device_type
+        self._te_version = te_version
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -109,8 +133,11 @@ class TEFusedAdamFP32StateAdopter:
             (
                 lambda: owner_decline_reason(context, precision_aware=False),
                 lambda: te_fused_adam_decline_reason(context.optimizer, self._fused_adam_class),
-                lambda: load_pre_hooks_decline_reason(context.optimizer),
-                lambda: _fp32_settings_decline_reason(context.optimizer),
+                lambda: instance_method_decline_reason(context.optimizer, "load_state_dict"),
+                lambda: load_hooks_decline_reason(context.optimizer),
+                lambda: _fp32_settings_decline_reason(
+                    context.optimizer, self._te_version or _imported_te_version()
+                ),
                 lambda: incoming_state_decline_reason(
                     context.optimizer,
                     context.state_dict,
@@ -138,7 +165,7 @@ class TEFusedAdamFP32StateAdopter:
         adopted_bytes = 0
         for index, param, incoming in pairs:
             installed = optimizer.state[param]
-            for key in MOMENT_KEYS:
+            for key in _MOMENT_KEYS:
                 if installed.get(key) is not incoming[key]:
                     raise RuntimeError(
                         f"PyTorch's loader did not keep {key} of parameter {index} by reference"
@@ -157,17 +184,57 @@ class TEFusedAdamFP32StateAdopter:
         return None
 
 
-def _fp32_settings_decline_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
+def _imported_te_version() -> Optional[str]:
+    """Return ``transformer_engine.__version__`` if TE has been imported, without importing it."""
+    version = getattr(sys.modules.get(_TE_PACKAGE), "__version__", None)
+    return version if isinstance(version, str) else None
+
+
+def _release(version: Optional[str]) -> Optional[Tuple[int, int]]:
+    """Return (major, minor) of a version string such as ``2.0.0+abc123``, or None."""
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _remainders_decline_reason(optimizer: torch.optim.Optimizer, te_version: Optional[str]) -> Optional[str]:
+    """Accept ``store_param_remainders`` off, or absent in a release that has no such mode."""
+    if hasattr(optimizer, "store_param_remainders"):
+        return "FusedAdam.store_param_remainders is set" if optimizer.store_param_remainders else None
+    release = _release(te_version)
+    first, last_excluded = _RELEASES_WITHOUT_REMAINDERS
+    if release is None:
+        return (
+            "FusedAdam has no 'store_param_remainders' attribute and the Transformer Engine "
+            f"release is unknown ({te_version!r})"
+        )
+    if release < first:
+        return (
+            f"Transformer Engine {te_version} predates 1.13, the first release whose FusedAdam "
+            "this adopter knows"
+        )
+    if release >= last_excluded:
+        return (
+            "FusedAdam has no 'store_param_remainders' attribute, which Transformer Engine "
+            f"{te_version} always sets"
+        )
+    return None
+
+
+def _fp32_settings_decline_reason(
+    optimizer: torch.optim.Optimizer, te_version: Optional[str]
+) -> Optional[str]:
     """Accept only FP32 moments without TE master weights or param remainders."""
-    for flag in ("master_weights", "store_param_remainders"):
-        if not hasattr(optimizer, flag):
-            return f"FusedAdam has no '{flag}' attribute"
-        if getattr(optimizer, flag):
-            return f"FusedAdam.{flag} is set"
+    if not hasattr(optimizer, "master_weights"):
+        return "FusedAdam has no 'master_weights' attribute"
+    if optimizer.master_weights:
+        return "FusedAdam.master_weights is set"
+    reason = _remainders_decline_reason(optimizer, te_version)
+    if reason is not None:
+        return reason
     dtypes = getattr(optimizer, "name_to_dtype_map", None)
     if not isinstance(dtypes, Mapping):
         return "FusedAdam has no 'name_to_dtype_map'"
-    for key in MOMENT_KEYS:
+    for key in _MOMENT_KEYS:
         if dtypes.get(key) is not torch.float32:
             return f"FusedAdam keeps {key} in {dtypes.get(key)}, not torch.float32"
     return None

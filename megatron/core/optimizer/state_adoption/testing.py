@@ -15,12 +15,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .adopter import StateAdopter, StateAdoptionContext
-from .validation import optimizer_params
+from .validation import _optimizer_params
+
+__all__ = ["assert_adoption_matches_own_loader", "assert_check_is_side_effect_free"]
 
 
 def _state_snapshot(optimizer: torch.optim.Optimizer) -> List[Tuple[int, str, Any]]:
     """(parameter position, key, value) for every state entry, tensors by identity."""
-    positions = {id(p): index for index, p in enumerate(optimizer_params(optimizer))}
+    positions = {id(p): index for index, p in enumerate(_optimizer_params(optimizer))}
     return sorted(
         (
             (positions.get(id(param), -1), str(key), value)
@@ -121,7 +123,7 @@ def assert_adoption_matches_own_loader(
         assert _bitwise_equal(mine, theirs), f"{adopter.name}: parameter {position} {key} differs"
     assert _groups_without_params(adopted_optimizer) == _groups_without_params(loaded_optimizer)
     ids = [i for group in incoming["param_groups"] for i in group["params"]]
-    for state_id, param in zip(ids, optimizer_params(adopted_optimizer)):
+    for state_id, param in zip(ids, _optimizer_params(adopted_optimizer)):
         for key, value in adopted_optimizer.state[param].items():
             offered = incoming_tensors.get((state_id, key))
             if isinstance(offered, torch.Tensor) and offered.dtype == value.dtype:

@@ -1,15 +1,40 @@
-"""Side-effect-free checks that adopters share (exported for third-party adopters).
+"""Side-effect-free checks for adopter authors; the built-in adopter is made of them.
 
-Every function returns None when its rule holds and a human-readable reason otherwise, so an
-adopter's ``decline_reason`` can chain them.
+Every check returns None when its rule holds and a human-readable reason otherwise, so an
+adopter's ``decline_reason`` chains them with :func:`first_decline_reason`. Each public check
+encodes a rule that an adopter must follow to leave the optimizer exactly as its own loader
+would, and that is easy to get subtly wrong:
+
+* :func:`owner_decline_reason` -- the ``DistributedOptimizer`` modes whose state layout the
+  adopter cannot know (stub, Megatron-FSDP, CPU offload, the other precision mode);
+* :func:`instance_method_decline_reason` -- a ``load_state_dict``/``state_dict`` set on the
+  optimizer instance, which upstream would call;
+* :func:`load_hooks_decline_reason` -- ``load_state_dict`` hooks PyTorch's loader would run;
+* :func:`param_state_pairs` -- which incoming entry belongs to which parameter, as PyTorch's
+  loader pairs them;
+* :func:`one_entry_per_param_decline_reason`, :func:`state_entry_decline_reason` and
+  :func:`incoming_state_decline_reason` -- matching param groups, exact keys, dtypes, devices,
+  shapes and layouts, and no shared storage, which installing tensors by reference requires.
 """
 
 from itertools import chain
-from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
-from .adopter import StateAdoptionContext
+from .adopter import StateAdoptionContext, StateExportContext
+
+__all__ = [
+    "ExpectedState",
+    "first_decline_reason",
+    "incoming_state_decline_reason",
+    "instance_method_decline_reason",
+    "load_hooks_decline_reason",
+    "one_entry_per_param_decline_reason",
+    "owner_decline_reason",
+    "param_state_pairs",
+    "state_entry_decline_reason",
+]
 
 ExpectedState = Mapping[str, torch.dtype]
 """The state keys an adopter accepts for one parameter, each with the dtype it requires."""
@@ -33,12 +58,12 @@ def first_decline_reason(checks: Iterable[Callable[[], Optional[str]]]) -> Optio
 
 
 def owner_decline_reason(
-    context: StateAdoptionContext, precision_aware: bool = False
+    context: Union[StateAdoptionContext, StateExportContext], precision_aware: bool = False
 ) -> Optional[str]:
     """Decline stub, Megatron-FSDP and CPU-offloaded owners, and the other precision mode.
 
     Args:
-        context (StateAdoptionContext): the context to check.
+        context (StateAdoptionContext or StateExportContext): the context to check.
         precision_aware (bool): whether the adopter handles the precision-aware optimizer
             (then it requires ``config.use_precision_aware_optimizer``) or not (then it
             requires that flag to be off).
@@ -68,7 +93,30 @@ def owner_decline_reason(
     return None
 
 
-def load_pre_hooks_decline_reason(
+def instance_method_decline_reason(optimizer: torch.optim.Optimizer, method: str) -> Optional[str]:
+    """Decline an optimizer whose *instance* carries its own ``method``.
+
+    Upstream calls ``optimizer.load_state_dict(...)``/``optimizer.state_dict()``, which
+    resolves an attribute set on the instance (by a wrapper, a debugging or conversion shim,
+    or Megatron-Bridge's memory-efficient loading) before the class's method. Whatever that
+    attribute does must happen, so no adopter may stand in for it.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer.
+        method (str): ``"load_state_dict"`` or ``"state_dict"``.
+
+    Returns:
+        Optional[str]: None if ``method`` resolves to the class's, otherwise why not.
+    """
+    if method in getattr(optimizer, "__dict__", {}):
+        return (
+            f"the {type(optimizer).__name__} instance has its own {method} (set on the "
+            "instance, e.g. by a wrapper), which upstream calls"
+        )
+    return None
+
+
+def load_hooks_decline_reason(
     optimizer: torch.optim.Optimizer, allow_post_hooks: bool = True
 ) -> Optional[str]:
     """Decline optimizers with ``load_state_dict`` hooks an adopter could not honour.
@@ -95,7 +143,7 @@ def load_pre_hooks_decline_reason(
     return None
 
 
-def param_groups_decline_reason(
+def _param_groups_decline_reason(
     optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
 ) -> Optional[str]:
     """Perform PyTorch's param-group validation without raising.
@@ -127,7 +175,7 @@ def param_groups_decline_reason(
     return None
 
 
-def optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     """Return every parameter of ``optimizer``, group by group, in PyTorch's state-dict order."""
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -145,19 +193,19 @@ def param_state_pairs(
         Iterator[Tuple[int, torch.Tensor, Any]]: one item per parameter that has state.
     """
     incoming_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-    params = optimizer_params(optimizer)
+    params = _optimizer_params(optimizer)
     incoming_state = state_dict["state"]
     for index, (state_id, param) in enumerate(zip(incoming_ids, params)):
         if state_id in incoming_state:
             yield index, param, incoming_state[state_id]
 
 
-def storage_ptr(tensor: torch.Tensor) -> int:
+def _storage_ptr(tensor: torch.Tensor) -> int:
     """Return the address of ``tensor``'s storage (0 for an empty storage)."""
     return int(tensor.untyped_storage().data_ptr())
 
 
-def plain_tensor_decline_reason(
+def _plain_tensor_decline_reason(
     tensor: Any, dtype: torch.dtype, like: torch.Tensor
 ) -> Optional[str]:
     """Accept a dense, contiguous ``dtype`` tensor placed and shaped like ``like``.
@@ -205,10 +253,10 @@ def one_entry_per_param_decline_reason(
         Optional[str]: None if every parameter is accepted and has exactly one incoming state
         entry, otherwise the first problem.
     """
-    reason = param_groups_decline_reason(optimizer, state_dict)
+    reason = _param_groups_decline_reason(optimizer, state_dict)
     if reason is not None:
         return reason
-    params = optimizer_params(optimizer)
+    params = _optimizer_params(optimizer)
     for index, param in enumerate(params):
         reason = param_decline_reason(param)
         if reason is not None:
@@ -229,7 +277,7 @@ def incoming_state_decline_reason(
 
     Requires :func:`one_entry_per_param_decline_reason`, each entry with exactly the keys of
     ``expected_state(param)``,
-    each a tensor accepted by :func:`plain_tensor_decline_reason` with the expected dtype,
+    each a tensor accepted by a dense, contiguous tensor with the expected dtype,
     and no two state tensors or a state tensor and a parameter sharing a storage.
 
     Args:
@@ -244,9 +292,9 @@ def incoming_state_decline_reason(
     reason = one_entry_per_param_decline_reason(optimizer, state_dict, param_decline_reason)
     if reason is not None:
         return reason
-    params = optimizer_params(optimizer)
+    params = _optimizer_params(optimizer)
     pairs = list(param_state_pairs(optimizer, state_dict))
-    seen_storages: Set[int] = {storage_ptr(p) for p in params if p.nbytes > 0}
+    seen_storages: Set[int] = {_storage_ptr(p) for p in params if p.nbytes > 0}
     for index, param, incoming in pairs:
         reason = state_entry_decline_reason(param, incoming, expected_state(param), seen_storages)
         if reason is not None:
@@ -279,11 +327,11 @@ def state_entry_decline_reason(
     if set(entry.keys()) != set(expected):
         return f"the {label} state has keys {sorted(map(str, entry))}, not {sorted(expected)}"
     for key, dtype in expected.items():
-        reason = plain_tensor_decline_reason(entry[key], dtype, param)
+        reason = _plain_tensor_decline_reason(entry[key], dtype, param)
         if reason is not None:
             return f"{key} {reason}"
         if entry[key].nbytes > 0:
-            storage = storage_ptr(entry[key])
+            storage = _storage_ptr(entry[key])
             if storage in seen_storages:
                 return f"{key} shares storage with a parameter or another state tensor"
             seen_storages.add(storage)
