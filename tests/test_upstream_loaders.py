@@ -137,6 +137,19 @@ def test_an_instance_state_dict_is_never_bypassed_by_an_exporter(empty_registry:
     assert exporter.exports == 1 and exported["param_groups"] == optimizer.state_dict()["param_groups"]
 
 
+@pytest.mark.parametrize("method", ["get_unscaled_state", "set_scaled_state", "_initialize_state", "state_dict"])
+def test_any_instance_level_te_state_method_is_declined(method: str) -> None:
+    """E.g. a wrapper that stages state through its own get_unscaled_state on the instance."""
+    optimizer = fresh_standin()
+    context = make_context(optimizer, cloned_state_dict(trained_standin()))
+    assert standin_adopter().decline_reason(context) is None
+    optimizer.__dict__[method] = getattr(optimizer, method)
+    assert standin_adopter().decline_reason(context) == (
+        f"the FusedAdamStandIn instance has its own {method} (set on the instance, e.g. by a "
+        "wrapper), which upstream calls"
+    )
+
+
 @pytest.mark.parametrize("method", ["load_state_dict", "state_dict"])
 def test_instance_method_check(method: str) -> None:
     optimizer = fresh_standin()

@@ -37,7 +37,6 @@ from megatron.core.optimizer.state_adoption.validation import (
     ExpectedState,
     first_decline_reason,
     incoming_state_decline_reason,
-    instance_method_decline_reason,
     load_hooks_decline_reason,
     owner_decline_reason,
     param_state_pairs,
@@ -84,7 +83,6 @@ class TEFusedAdamPrecisionAwareStateAdopter:
             (
                 lambda: owner_decline_reason(context, precision_aware=True),
                 lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
-                lambda: instance_method_decline_reason(optimizer, "load_state_dict"),
                 # Post-hooks are declined too: adopt() runs PyTorch's loader without the state.
                 lambda: load_hooks_decline_reason(optimizer, allow_post_hooks=False),
                 lambda: _settings_decline_reason(optimizer),
@@ -114,7 +112,6 @@ class TEFusedAdamPrecisionAwareStateAdopter:
             (
                 lambda: owner_decline_reason(context, precision_aware=True),
                 lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
-                lambda: instance_method_decline_reason(optimizer, "state_dict"),
                 lambda: _settings_decline_reason(optimizer),
                 lambda: held_state_export_decline_reason(
                     optimizer,

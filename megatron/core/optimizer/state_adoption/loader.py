@@ -18,7 +18,7 @@ import torch
 from megatron.core.utils import log_single_rank
 
 from .adopter import StateAdoptionContext, StateExportContext, StateExporter
-from .outcome import EXPORT_HOOK_POINT, LOAD_HOOK_POINT, StateAdoptionOutcome, _report_outcome
+from .outcome import _EXPORT_HOOK_POINT, _LOAD_HOOK_POINT, StateAdoptionOutcome, _report_outcome
 from .registry import _DEFAULT_REGISTRY, StateAdopterRegistration, _StateAdopterRegistry
 from .settings import (
     _DISABLE_ENV_VAR,
@@ -188,7 +188,7 @@ def _finish(outcome: StateAdoptionOutcome, level: int) -> StateAdoptionOutcome:
     """Log ``outcome`` for people (rank 0) and hand it to the outcome hooks (every rank)."""
     for name, reason in outcome.declines:
         log_single_rank(logger, logging.DEBUG, "Optimizer state adopter %r declined: %s", name, reason)
-    verb = "installed" if outcome.hook_point == LOAD_HOOK_POINT else "exported"
+    verb = "installed" if outcome.hook_point == _LOAD_HOOK_POINT else "exported"
     if outcome.adopter is not None:
         log_single_rank(
             logger,
@@ -202,7 +202,7 @@ def _finish(outcome: StateAdoptionOutcome, level: int) -> StateAdoptionOutcome:
             outcome.avoided_bytes / 2**20,
         )
     else:
-        method = "load_state_dict" if outcome.hook_point == LOAD_HOOK_POINT else "state_dict"
+        method = "load_state_dict" if outcome.hook_point == _LOAD_HOOK_POINT else "state_dict"
         log_single_rank(
             logger,
             level,
@@ -246,7 +246,7 @@ def _load_inner_state(
         optimizer.load_state_dict(state_dict)
         return _finish(
             StateAdoptionOutcome(
-                LOAD_HOOK_POINT, optimizer_name, None, fallback_reason=f"{_DISABLE_ENV_VAR} is set"
+                _LOAD_HOOK_POINT, optimizer_name, None, fallback_reason=f"{_DISABLE_ENV_VAR} is set"
             ),
             logging.DEBUG,
         )
@@ -269,7 +269,7 @@ def _load_inner_state(
         if avoided_bytes is not None:
             return _finish(
                 StateAdoptionOutcome(
-                    LOAD_HOOK_POINT, optimizer_name, registration.name, avoided_bytes, tuple(declines)
+                    _LOAD_HOOK_POINT, optimizer_name, registration.name, avoided_bytes, tuple(declines)
                 ),
                 logging.INFO,
             )
@@ -280,7 +280,7 @@ def _load_inner_state(
     reason = _fallback_reason(declines, instance_reason, failure)
     return _finish(
         StateAdoptionOutcome(
-            LOAD_HOOK_POINT, optimizer_name, None, declines=tuple(declines), fallback_reason=reason
+            _LOAD_HOOK_POINT, optimizer_name, None, declines=tuple(declines), fallback_reason=reason
         ),
         logging.INFO,
     )
@@ -294,7 +294,7 @@ def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str
         own: Dict[str, Any] = optimizer.state_dict()
         _finish(
             StateAdoptionOutcome(
-                EXPORT_HOOK_POINT, optimizer_name, None, fallback_reason=f"{_DISABLE_ENV_VAR} is set"
+                _EXPORT_HOOK_POINT, optimizer_name, None, fallback_reason=f"{_DISABLE_ENV_VAR} is set"
             ),
             logging.DEBUG,
         )
@@ -316,7 +316,7 @@ def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str
             state_dict, avoided_bytes = exported
             _finish(
                 StateAdoptionOutcome(
-                    EXPORT_HOOK_POINT, optimizer_name, registration.name, avoided_bytes, tuple(declines)
+                    _EXPORT_HOOK_POINT, optimizer_name, registration.name, avoided_bytes, tuple(declines)
                 ),
                 logging.INFO,
             )
@@ -327,7 +327,7 @@ def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str
     reason = _fallback_reason(declines, instance_reason, failure)
     _finish(
         StateAdoptionOutcome(
-            EXPORT_HOOK_POINT, optimizer_name, None, declines=tuple(declines), fallback_reason=reason
+            _EXPORT_HOOK_POINT, optimizer_name, None, declines=tuple(declines), fallback_reason=reason
         ),
         logging.DEBUG,
     )

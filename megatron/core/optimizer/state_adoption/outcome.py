@@ -24,10 +24,10 @@ __all__ = ["StateAdoptionOutcome", "register_outcome_hook"]
 
 logger = logging.getLogger(__name__)
 
-LOAD_HOOK_POINT = "load"
+_LOAD_HOOK_POINT = "load"
 """The inner ``load_state_dict`` call in ``DistributedOptimizer.load_state_dict``."""
 
-EXPORT_HOOK_POINT = "export"
+_EXPORT_HOOK_POINT = "export"
 """The inner ``state_dict()`` call in ``DistributedOptimizer.load_state_dict``."""
 
 

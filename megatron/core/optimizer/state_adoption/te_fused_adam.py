@@ -72,6 +72,10 @@ def te_fused_adam_decline_reason(
 ) -> Optional[str]:
     """Accept TE's FusedAdam and subclasses that keep all of TE's state handling.
 
+    Declines a subclass that overrides one of FusedAdam's state methods, and an instance that
+    carries its own version of one (set on the instance, e.g. by a wrapper): the optimizer's
+    own ``load_state_dict`` or ``state_dict`` would run that code.
+
     Args:
         optimizer (torch.optim.Optimizer): the inner optimizer.
         fused_adam_class (type, optional): the class to recognise; defaults to TE's, if
@@ -89,6 +93,10 @@ def te_fused_adam_decline_reason(
     for method in _TE_STATE_METHODS:
         if getattr(optimizer_class, method, None) is not getattr(fused_adam, method, None):
             return f"{optimizer_class.__qualname__} overrides FusedAdam.{method}"
+    for method in _TE_STATE_METHODS:  # e.g. a wrapper staging state on the instance
+        reason = instance_method_decline_reason(optimizer, method)
+        if reason is not None:
+            return reason
     return None
 
 
@@ -133,7 +141,6 @@ class TEFusedAdamFP32StateAdopter:
             (
                 lambda: owner_decline_reason(context, precision_aware=False),
                 lambda: te_fused_adam_decline_reason(context.optimizer, self._fused_adam_class),
-                lambda: instance_method_decline_reason(context.optimizer, "load_state_dict"),
                 lambda: load_hooks_decline_reason(context.optimizer),
                 lambda: _fp32_settings_decline_reason(
                     context.optimizer, self._te_version or _imported_te_version()
