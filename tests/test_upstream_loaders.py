@@ -14,7 +14,7 @@ including the differences between TE releases that the default adopter depends o
 
 import sys
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch

@@ -7,20 +7,12 @@ which loader installed the state (both load passes), the restored state and the 
 bitwise against the control, and the training peak against the control's.
 """
 
-import logging
 from pathlib import Path
 
 import pytest
 from gpu_requirements import gpu_only
-from mcore_runs import (
-    ADOPTION_LOGGER,
-    adoption_messages,
-    allocated_now,
-    digests,
-    free_cuda,
-    step_with_peak,
-    train_save_control,
-)
+from mcore_runs import allocated_now, digests, free_cuda, step_with_peak, train_save_control
+from outcome_recording import exported_by, loaded_by, recorded_outcomes
 
 from megatron.core.optimizer.state_adoption import registered_state_adopters
 
@@ -38,7 +30,7 @@ DEFAULT_ADOPTERS = ["te_fused_adam_fp32"]
     "case_name",
     ["dp_reshardable", "fully_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter", "moe", "precision_aware_bf16"],
 )
-def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path: Path, caplog) -> None:
+def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path: Path) -> None:
     from benchmarks.resume_benchmark.cases import PRESETS, make_case
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
     from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, distributed_optimizers
@@ -57,14 +49,15 @@ def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path:
     start = allocated_now()
     model_chunks, optimizer = build_gpt_and_optimizer(case)
     inner_optimizers = len(list(distributed_optimizers(optimizer)))
-    with caplog.at_level(logging.INFO, logger=ADOPTION_LOGGER):
+    with recorded_outcomes() as outcomes:
         load_checkpoint(model_chunks, optimizer, case.sharding_format, tmp_path / "checkpoint")
-    installed = adoption_messages(caplog, "'te_fused_adam_fp32' installed the FusedAdam state")
-    fallbacks = adoption_messages(caplog, "FusedAdam.load_state_dict loads it")
+    # Two load passes (scaffold, payload) per DistributedOptimizer, each after a state-dict read.
+    assert exported_by(outcomes) == [None] * 2 * inner_optimizers
     if case.precision_aware:
-        assert installed == [] and len(fallbacks) == 2 * inner_optimizers
-    else:  # both passes (scaffold, payload) of every DistributedOptimizer adopt
-        assert len(installed) == 2 * inner_optimizers and fallbacks == []
+        assert loaded_by(outcomes) == [None] * 2 * inner_optimizers
+    else:
+        assert loaded_by(outcomes) == ["te_fused_adam_fp32"] * 2 * inner_optimizers
+        assert all(o.avoided_bytes > 0 for o in outcomes if o.hook_point == "load")
     assert digests(model_chunks, optimizer) == control["saved"]
 
     result, step_peak = step_with_peak(model_chunks, optimizer, case, start)

@@ -17,7 +17,6 @@ from builders import Owner
 from gpu_requirements import gpu_only
 from te_optimizers import bitwise_equal, params_of, random_step, state_tensors
 from mcore_runs import (
-    adoption_messages,
     allocated_now,
     digests,
     free_cuda,
@@ -25,10 +24,11 @@ from mcore_runs import (
     step_with_peak,
     train_save_control,
 )
+from outcome_recording import exported_by, loaded_by, recorded_outcomes
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.state_adoption import register_state_adopter, registered_state_adopters
-from megatron.core.optimizer.state_adoption.loader import _load_inner_state
+from megatron.core.optimizer.state_adoption.loader import _export_inner_state, _load_inner_state
 from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry
 from megatron.core.optimizer.state_adoption.testing import assert_adoption_matches_own_loader
 
@@ -147,9 +147,13 @@ def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog,
             start = allocated_now()
             model_chunks, optimizer = build_gpt_and_optimizer(case)
             inner_optimizers = len(list(distributed_optimizers(optimizer)))
-            peaks[label] = load_with_peak(model_chunks, optimizer, case, tmp_path / "checkpoint", caplog)
-            installed = adoption_messages(caplog, f"'{name}' installed the FusedAdam state")
-            assert len(installed) == (2 * inner_optimizers if label == "plugin" else 0), caplog.text
+            with recorded_outcomes() as outcomes:
+                peaks[label] = load_with_peak(model_chunks, optimizer, case, tmp_path / "checkpoint", caplog)
+            if label == "plugin":  # scaffold pass: nothing held to export; payload pass: exported
+                assert loaded_by(outcomes) == [name] * 2 * inner_optimizers, outcomes
+                assert sorted(exported_by(outcomes), key=str) == [None] * inner_optimizers + [name] * inner_optimizers
+            else:
+                assert loaded_by(outcomes) == exported_by(outcomes) == [None] * 2 * inner_optimizers
             assert digests(model_chunks, optimizer) == control["saved"]
             result, _ = step_with_peak(model_chunks, optimizer, case, start)
             assert result.loss == control["loss"]
@@ -160,3 +164,31 @@ def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog,
     finally:
         if handle is not None:
             handle.remove()
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_exported_held_state_reloads_without_new_state_and_equals_te(mode: str) -> None:
+    """MCore's payload pass with the export: read the state dict, hand it back to the load."""
+    ours, by_te = _loaded(mode), _loaded(mode)
+    held = state_tensors(ours)
+    registry = _StateAdopterRegistry(entry_point_group=None)
+    registry.register(_adopter())
+    owner = Owner(ours, config=PRECISION_AWARE)
+    free_cuda()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    exported = _export_inner_state(owner, registry)
+    outcome = _load_inner_state(owner, exported, registry)
+    del exported
+    torch.cuda.synchronize()
+    our_peak = torch.cuda.max_memory_allocated() - before
+    assert outcome.adopter == plugin.TEFusedAdamPrecisionAwareStateAdopter.name
+    assert all(a is b for a, b in zip(state_tensors(ours), held)) and len(state_tensors(ours)) == len(held)
+    largest = max(p.numel() for p in params_of(ours))
+    assert our_peak <= 6 * largest + (1 << 16), our_peak  # one chunk's conversion at most
+    by_te.load_state_dict(by_te.state_dict())  # upstream: FP32 copies, then TE's loader
+    assert bitwise_equal(state_tensors(ours), state_tensors(by_te))
+    random_step(ours, 7)
+    random_step(by_te, 7)
+    assert bitwise_equal(params_of(ours), params_of(by_te))
+    assert bitwise_equal(state_tensors(ours), state_tensors(by_te))
