@@ -336,6 +336,13 @@ def test_snapshot_without_traces_is_an_error() -> None:
     boundaries = [Boundary(None, 0), Boundary(None, 1000)]
     with pytest.raises(ValueError, match="device_traces"):
         timeline_from_snapshot({"segments": []}, device=0, boundaries=boundaries, baseline_bytes=0)
+    with pytest.raises(ValueError, match="time_us"):
+        timeline_from_snapshot(
+            {"device_traces": [[{"action": "alloc", "addr": 1, "size": 1}]]},
+            device=0,
+            boundaries=boundaries,
+            baseline_bytes=0,
+        )
     with pytest.raises(ValueError, match="boundaries"):
         timeline_from_snapshot(
             {"device_traces": [[]]}, device=0, boundaries=boundaries[:1], baseline_bytes=0
@@ -693,6 +700,18 @@ def test_cli_writes_one_png_per_case_and_markdown(figures: Any, tmp_path: Path) 
     ]
     status = figures.main([str(first), "--out-dir", str(tmp_path / "only"), "--cases", "moe"])
     assert status == 1
+
+
+def test_a_failed_recording_is_noted_not_drawn(figures: Any, tmp_path: Path) -> None:
+    sides = _two_sides()
+    document = _document({"upstream": sides["upstream"], "build": {"error": "RuntimeError: x"}})
+    (found,) = figures.case_timelines(document)
+    assert list(found.sides) == ["upstream"]
+    assert found.notes == ("build: no timeline (RuntimeError: x)",)
+    nothing = _document({"build": {"error": "RuntimeError: x"}})
+    assert figures.write_figures([nothing], tmp_path) == []
+    written = figures.write_figures([document], tmp_path)
+    assert [p.name for _, p in written] == ["dp_reshardable.png"]
 
 
 def test_memory_timeline_imports_neither_torch_nor_matplotlib() -> None:

@@ -294,14 +294,33 @@ def case_timelines(document: Mapping[str, Any], *, all_ranks: bool = False) -> l
         if "rank_sides" in entry:
             found += _multi_rank(entry, case, all_ranks)
             continue
-        sides = {
+        recorded = {
             label: side["memory_timeline"]
             for label, side in (entry.get("sides") or {}).items()
             if isinstance(side, Mapping) and side.get("memory_timeline") is not None
         }
-        if sides:
-            found.append(CaseTimelines(case, sides, _params(entry, entry.get("sides") or {})))
+        if recorded:
+            sides, notes = _usable(recorded)
+            params = _params(entry, entry.get("sides") or {})
+            found.append(CaseTimelines(case, sides, params, notes=notes))
     return found
+
+
+def _usable(
+    recorded: Mapping[str, Any],
+) -> tuple[dict[str, Mapping[str, Any]], tuple[str, ...]]:
+    """The timelines that can be drawn, and a note per side whose record cannot (e.g. the
+    worker stored ``{"error": ...}`` because recording failed)."""
+    sides: dict[str, Mapping[str, Any]] = {}
+    notes: list[str] = []
+    for label, timeline in recorded.items():
+        problems = timeline_problems(timeline)
+        if not problems:
+            sides[label] = timeline
+            continue
+        why = timeline.get("error") if isinstance(timeline, Mapping) else None
+        notes.append(f"{label}: no timeline ({why or problems[0]})")
+    return sides, tuple(notes)
 
 
 def _multi_rank(entry: Mapping[str, Any], case: str, all_ranks: bool) -> list[CaseTimelines]:
@@ -313,10 +332,12 @@ def _multi_rank(entry: Mapping[str, Any], case: str, all_ranks: bool) -> list[Ca
             if side.get("memory_timeline") is not None and (all_ranks or rank == 0):
                 by_rank.setdefault(rank, {})[label] = side["memory_timeline"]
                 records.setdefault(rank, {})[label] = side
-    return [
-        CaseTimelines(case, sides, _params(entry, records[rank]), rank=rank, multi_rank=True)
-        for rank, sides in sorted(by_rank.items())
-    ]
+    found = []
+    for rank, recorded in sorted(by_rank.items()):
+        sides, notes = _usable(recorded)
+        params = _params(entry, records[rank])
+        found.append(CaseTimelines(case, sides, params, rank, multi_rank=True, notes=notes))
+    return found
 
 
 def _params(entry: Mapping[str, Any], sides: Mapping[str, Any]) -> int | None:
@@ -354,6 +375,10 @@ def write_figures(
     for document in documents:
         for timelines in case_timelines(document, all_ranks=all_ranks):
             if cases is not None and timelines.case not in cases:
+                continue
+            if not timelines.sides:
+                print(f"{timelines.case}: nothing to draw ({'; '.join(timelines.notes)})",
+                      file=sys.stderr)
                 continue
             name = figure_name(timelines, all_ranks)
             stem, number = name[: -len(".png")], 2

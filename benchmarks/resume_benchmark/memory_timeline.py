@@ -366,6 +366,8 @@ def timeline_from_snapshot(
     if len(boundaries) < 2 or boundaries[0].label is not None or boundaries[-1].label is not None:
         raise ValueError("boundaries must start and end with an unlabelled start/stop boundary")
     entries, other_devices = device_trace(snapshot, device)
+    if any("time_us" not in entry for entry in entries):
+        raise ValueError("allocator trace entries without 'time_us' (a torch older than 2.1?)")
     dropped = len(entries) >= max_entries
     markers = find_markers(entries, boundaries)
     offsets = [  # integer nanoseconds first: epoch nanoseconds do not fit a double exactly
