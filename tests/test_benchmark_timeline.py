@@ -138,6 +138,26 @@ def test_exact_without_slack() -> None:
     assert levels[-1] == MIB
 
 
+def test_blocks_taken_whole_from_a_new_segment_are_counted_whole() -> None:
+    allocator = FakeAllocator()
+    recorder = MemoryTimelineRecorder(
+        0, backend=FakeHistoryBackend(allocator), clock_ns=python_clock(allocator)
+    )
+    recorder.start()
+    odd = [allocator.alloc(16_043_213) for _ in range(3)]  # 15.3 MiB each in a new 16 MiB
+    split = allocator.alloc(15 * MIB)  # new 16 MiB segment, 1 MiB remains: not split either
+    smaller = allocator.alloc(13 * MIB)  # new 14 MiB segment, likewise
+    big = allocator.alloc(5 * MIB + 3)  # new 20 MiB segment: split
+    allocator.advance(10)
+    allocator.free(odd[0])
+    timeline = recorder.stop()
+    del split, smaller, big
+    assert timeline["events"]["whole_segment_blocks"] == 5
+    assert timeline["peak_bytes_over_baseline"] == 5 * 16 * MIB - 2 * MIB + 5 * MIB + 512
+    assert timeline["consistency"]["peak_difference_bytes"] == 0
+    assert timeline["consistency"]["end_difference_bytes"] == 0
+
+
 def test_phases_follow_the_marks_in_order_and_tile_the_load() -> None:
     timeline, _ = recorded_resume()
     phases = timeline["phases"]
@@ -170,10 +190,9 @@ def test_markers_are_found_by_address_without_memory_metadata() -> None:
 
 
 def test_actions_that_do_not_change_allocated_bytes_are_ignored() -> None:
-    skipped, _ = recorded_resume(honours_skip=True)
+    skipped, _ = recorded_resume(honours_skip=True)  # only segment_alloc of the ignored kept
     recorded, _ = recorded_resume(honours_skip=False)  # a torch without skip_actions
-    assert skipped["events"]["ignored"] == 0
-    assert recorded["events"]["ignored"] > 0  # free_completed and segment_alloc entries
+    assert 0 < skipped["events"]["ignored"] < recorded["events"]["ignored"]  # + free_completed
     assert recorded["points"] == skipped["points"]
     assert recorded["peak_bytes_over_baseline"] == skipped["peak_bytes_over_baseline"]
 
@@ -209,12 +228,13 @@ def test_other_devices_are_counted_not_mixed_in() -> None:
 
 def test_ring_buffer_overflow_is_detected_and_anchored_at_the_end() -> None:
     complete, _ = recorded_resume(max_entries=100_000)
-    # pass 2 (40 x staging alloc, staging free, loaded free) and the last two markers fit
-    overflowed, allocator = recorded_resume(max_entries=130)
+    # pass 2 (40 x staging segment_alloc, alloc and free, loaded free) and the last three
+    # markers (alloc and free each) fit
+    overflowed, allocator = recorded_resume(max_entries=170)
     assert complete["dropped_events"] is False
     assert complete["events"]["trace_entries"] < 100_000
     assert overflowed["dropped_events"] is True
-    assert overflowed["events"]["trace_entries"] == 130
+    assert overflowed["events"]["trace_entries"] == 170
     assert overflowed["anchored_at"] == "end"
     baseline = overflowed["baseline_bytes"]
     assert overflowed["end_bytes_over_baseline"] == allocator.allocated - baseline

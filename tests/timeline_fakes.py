@@ -7,8 +7,9 @@ block it did not split) and records trace entries shaped like
 ``size`` (the *requested* size), ``stream``, ``time_us`` (epoch microseconds), ``compile_context``,
 ``user_metadata`` (the thread's memory metadata), ``frames`` -- in a ring buffer of ``max_entries``
 that overwrites the oldest entries, returned oldest first. ``free`` records ``free_requested``
-(the allocated bytes drop here) and then ``free_completed``; a new segment records
-``segment_alloc``; actions listed in ``skip_actions`` are not recorded.
+(the allocated bytes drop here) and then ``free_completed``; a large request records the
+``segment_alloc`` of its new segment first (taken whole when at most 1 MiB would remain, as the
+allocator does); actions listed in ``skip_actions`` are not recorded.
 """
 
 from __future__ import annotations
@@ -18,11 +19,23 @@ from typing import Any
 
 from benchmarks.resume_benchmark.memory_timeline import (
     LOAD_PHASES,
+    SMALL_SIZE,
     MemoryTimelineRecorder,
     block_bytes,
 )
 
 EPOCH_US = 1_760_000_000_000_000  # some time in 2025, in microseconds
+MIB = 1 << 20
+
+
+def segment_bytes(size: int) -> int:
+    """The size of the segment the caching allocator creates for a request of ``size`` bytes
+    (2 MiB up to 1 MiB, 20 MiB below 10 MiB, else the request rounded up to 2 MiB)."""
+    if size <= SMALL_SIZE:
+        return 2 * MIB
+    if size < 10 * MIB:
+        return 20 * MIB
+    return -(-size // (2 * MIB)) * (2 * MIB)
 
 
 class FakeAllocator:
@@ -50,17 +63,27 @@ class FakeAllocator:
     # -- allocations ---------------------------------------------------------------------------
 
     def alloc(self, size: int, *, slack: int = 0, device: int | None = None) -> int:
-        """Allocate ``size`` bytes (block: rounded size + ``slack``); return the address."""
+        """Allocate ``size`` bytes; return the address.
+
+        ``slack`` > 0: reuse a cached block ``slack`` bytes larger than the rounded request
+        (not split; invisible in the trace). Otherwise a large request (over 1 MiB) gets a new
+        segment sized as the caching allocator sizes it, taken whole when at most 1 MiB of it
+        would remain.
+        """
         address = self.next_address
-        self.next_address += block_bytes(size) + slack + 4096
-        block = block_bytes(size) + slack
         target = self.device if device is None else device
+        block = block_bytes(size)
+        if target == self.device and size > SMALL_SIZE and not slack:
+            segment = segment_bytes(size)
+            self._record("segment_alloc", address, segment, target)
+            if segment - block <= SMALL_SIZE:
+                block = segment
+        block += slack
+        self.next_address += block + 4096
         if target == self.device:
             self.blocks[address] = (size, block)
             self.allocated += block
             self.peak = max(self.peak, self.allocated)
-        if size >= 1 << 20 and target == self.device:
-            self._record("segment_alloc", address, block, target)
         self._record("alloc", address, size, target)
         return address
 

@@ -26,13 +26,18 @@ allocator does for each action (``c10/cuda/CUDACachingAllocator.cpp``):
   the block's requested size), even when the block is still in use on another stream.
 * ``free_completed`` (the block becomes reusable after such a cross-stream use),
   ``segment_alloc``/``segment_free``/``segment_map``/``segment_unmap`` (reserved memory),
-  ``snapshot``, ``oom``, ``annotate``: no change to ``allocated_bytes``. They are not recorded
-  (``skip_actions``) where torch supports skipping, and ignored otherwise.
+  ``snapshot``, ``oom``, ``annotate``: no change to ``allocated_bytes``. Except
+  ``segment_alloc``, they are not recorded (``skip_actions``) where torch supports skipping, and
+  ignored otherwise.
 
-The timeline is the running sum of +/- the requested size rounded up to 512 B (the allocator's
-block rounding without ``roundup_power2_divisions``), relative to the caller's baseline. That
-matches ``allocated_bytes`` except where the allocator hands out a block it does not split (a
-cached large-pool block at most 1 MiB larger than needed): the trace does not show that slack.
+The timeline is the running sum of +/- each allocation's block size, relative to the caller's
+baseline (:class:`BlockSizes`): the requested size rounded up to 512 B (the allocator's block
+rounding without ``roundup_power2_divisions``), or the whole new segment where the trace shows
+that the allocator did not split it (a ``segment_alloc`` directly before a large ``alloc`` at
+its address, at most 1 MiB over the rounded request; e.g. a 15.3 MiB tensor in a new 16 MiB
+segment counts 16 MiB). That matches ``allocated_bytes`` except where the allocator reuses a
+cached large-pool block at most 1 MiB larger than needed without splitting it: the trace does
+not show that slack.
 Two checks are recorded, not assumed: the reconstructed peak against
 ``max_memory_allocated() - baseline`` and the reconstructed end level against
 ``memory_allocated() - baseline`` at :meth:`~MemoryTimelineRecorder.stop`.
@@ -105,10 +110,14 @@ BLOCK_ROUNDING: Final = 512
 #: Trace actions that change ``memory_allocated()``, with their sign.
 ALLOCATED_SIGN: Final[Mapping[str, int]] = {"alloc": 1, "free_requested": -1}
 
-#: Trace actions that do not change ``memory_allocated()``; not recorded where torch can skip.
+#: Requests above this go to the large pool, whose blocks are split only when more than this
+#: would remain (``kSmallSize`` of the caching allocator).
+SMALL_SIZE: Final = 1 << 20
+
+#: Trace actions that do not change ``memory_allocated()``, not recorded where torch can skip
+#: them (``segment_alloc`` is kept: it tells the size of a block taken whole from a new segment).
 SKIPPED_ACTIONS: Final[tuple[str, ...]] = (
     "free_completed",
-    "segment_alloc",
     "segment_free",
     "segment_map",
     "segment_unmap",
@@ -134,8 +143,9 @@ SHORT_PHASE_NAMES: Final[Mapping[str, str]] = {
 }
 
 SIZE_MODEL_NOTE: Final = (
-    "trace sizes rounded up to 512 B; large-pool blocks the allocator did not split "
-    "(up to 1 MiB more each) are not visible in the trace"
+    "trace sizes rounded up to 512 B, whole new segments where the trace shows the allocator "
+    "did not split one; cached large blocks reused unsplit (up to 1 MiB more each) are not "
+    "visible in the trace"
 )
 
 SAMPLED_MODEL_NOTE: Final = (
@@ -159,11 +169,55 @@ def block_bytes(requested: int) -> int:
 
 
 def allocated_delta(entry: Mapping[str, Any]) -> int:
-    """How one trace entry changes ``memory_allocated()`` (0 for actions that do not)."""
+    """How one trace entry changes ``memory_allocated()`` by its own size alone (0 for actions
+    that do not); :class:`BlockSizes` also knows blocks taken whole from a new segment."""
     sign = ALLOCATED_SIGN.get(str(entry.get("action")), 0)
     if sign == 0:
         return 0
     return sign * block_bytes(int(entry.get("size", 0)))
+
+
+class BlockSizes:
+    """Block sizes of the allocations in a trace, as ``memory_allocated()`` counts them.
+
+    A request is rounded up to 512 B, except where the trace shows the allocator took the
+    block whole: an ``alloc`` of a large-pool request (over 1 MiB) at the start of the segment
+    that the immediately preceding ``segment_alloc`` created, when at most 1 MiB of that segment
+    would remain (the allocator splits large blocks only above that). A ``free_requested``
+    removes what its ``alloc`` added when the trace has that ``alloc``.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[int, int] = {}
+        self._new_segment: tuple[int, int] | None = None
+        #: Allocations whose block is a whole new segment (more than the rounded request).
+        self.whole_segments = 0
+
+    def delta(self, entry: Mapping[str, Any]) -> int:
+        """The change of ``memory_allocated()`` by ``entry`` (call for every entry, in order)."""
+        action = entry.get("action")
+        segment, self._new_segment = self._new_segment, None
+        if action == "segment_alloc":
+            self._new_segment = (int(entry.get("addr", -1)), int(entry.get("size", 0)))
+            return 0
+        if action == "alloc":
+            address, requested = int(entry.get("addr", -1)), int(entry.get("size", 0))
+            block = block_bytes(requested)
+            if (
+                segment is not None
+                and segment[0] == address
+                and requested > SMALL_SIZE
+                and block < segment[1] <= block + SMALL_SIZE
+            ):
+                block = segment[1]
+                self.whole_segments += 1
+            self._live[address] = block
+            return block
+        if action == "free_requested":
+            address = int(entry.get("addr", -1))
+            known = self._live.pop(address, None)
+            return -(known if known is not None else block_bytes(int(entry.get("size", 0))))
+        return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,9 +443,10 @@ def timeline_from_snapshot(
     counts = {"alloc": 0, "free_requested": 0, "ignored": 0, "oom": 0}
     steps: list[tuple[float, int]] = []  # (time since origin, delta), in trace order
     previous_t = 0.0
+    blocks = BlockSizes()
     for entry in entries:
         action = str(entry.get("action"))
-        delta = allocated_delta(entry)
+        delta = blocks.delta(entry)
         if action in ALLOCATED_SIGN:
             counts[action] += 1
         elif action == "oom":
@@ -446,6 +501,7 @@ def timeline_from_snapshot(
         starts_at_s=starts_at,
         events={
             **counts,
+            "whole_segment_blocks": blocks.whole_segments,
             "trace_entries": len(entries),
             "other_device_entries": other_devices,
             "max_entries": max_entries,

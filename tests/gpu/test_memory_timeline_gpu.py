@@ -1,10 +1,10 @@
 """The memory-timeline recorders on a real CUDA caching allocator (needs a GPU, not TE).
 
 Checks what the CPU tests can only assume: that the trace of ``_record_memory_history`` holds
-the marker allocations (tagged), that alloc/free_requested with 512-byte rounding reproduce
-``memory_allocated()``/``max_memory_allocated()`` exactly for allocations the allocator splits
-exactly (multiples of 2 MiB, small tensors), and how far the trace's ``time_us`` is from
-Python's ``time.time_ns()`` (printed; only loosely bounded).
+the marker allocations (tagged), that alloc/free_requested with 512-byte rounding (and whole
+new segments where the allocator does not split them) reproduce
+``memory_allocated()``/``max_memory_allocated()`` exactly for this workload, and how far the
+trace's ``time_us`` is from Python's ``time.time_ns()`` (printed; only loosely bounded).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def _fresh_baseline() -> int:
 
 def _workload(recorder: MemoryTimelineRecorder | SampledMemoryTimelineRecorder) -> None:
     recorder.mark("one")
+    # 15.3 MiB: a new 16 MiB segment, which the allocator does not split (0.7 MiB would remain)
+    odd = torch.empty(16_043_213, dtype=torch.uint8, device="cuda")
     big = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
     small = [torch.empty(1000, device="cuda") for _ in range(100)]
     recorder.mark("two")
@@ -46,7 +48,7 @@ def _workload(recorder: MemoryTimelineRecorder | SampledMemoryTimelineRecorder) 
     del small
     recorder.end_phase()
     torch.cuda.synchronize()
-    del other, reused
+    del other, reused, odd
 
 
 def test_history_reproduces_the_allocator_statistics() -> None:
