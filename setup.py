@@ -1,10 +1,12 @@
-"""Build ``megatron-core`` 0.19.2+stateadoption from the pinned upstream wheel.
+"""Build ``megatron-core`` X+stateadoption from a pinned upstream ``megatron-core`` X wheel.
 
-The upstream ``megatron-core==0.19.2`` wheel is taken from ``$MCORE_UPSTREAM_WHEEL`` or
-from the cache ``build/upstream/``, else downloaded by this interpreter's pip into that
-cache; it is sha256-checked every time. ``setup()``'s dependency metadata is derived from
-its METADATA so that what pip resolves before the build matches the built wheel.
-``bdist_wheel`` then writes the composed wheel (see ``build_tools/compose_wheel.py``).
+The release X is ``$MCORE_UPSTREAM_VERSION`` (one of ``build_tools.releases.PINNED_WHEELS``;
+default: the newest, ``DEFAULT_UPSTREAM_VERSION``) or the release named by the file name of
+``$MCORE_UPSTREAM_WHEEL``. Its wheel is taken from ``$MCORE_UPSTREAM_WHEEL`` or from the cache
+``build/upstream/``, else downloaded by this interpreter's pip into that cache; it is
+sha256-checked every time. ``setup()``'s dependency metadata is derived from its METADATA so
+that what pip resolves before the build matches the built wheel. ``bdist_wheel`` then writes
+the composed wheel (see ``build_tools/compose_wheel.py``).
 """
 
 from __future__ import annotations
@@ -22,16 +24,13 @@ sys.path.insert(0, str(REPO_ROOT))
 from build_tools.compose_wheel import compose_wheel  # noqa: E402
 from build_tools.errors import ComposeError  # noqa: E402
 from build_tools.patching import find_patches  # noqa: E402
+from build_tools.releases import DIST_NAME, local_version, select_upstream_version  # noqa: E402
 from build_tools.requirements import requirements_from_metadata  # noqa: E402
-from build_tools.upstream import (  # noqa: E402
-    DIST_NAME,
-    LOCAL_VERSION,
-    ensure_upstream_wheel,
-    read_wheel_metadata,
-)
+from build_tools.upstream import ensure_upstream_wheel, read_wheel_metadata  # noqa: E402
 
 UPSTREAM_CACHE_DIR = REPO_ROOT / "build" / "upstream"
 PATCHES_DIR = REPO_ROOT / "patches"
+UPSTREAM_VERSION = select_upstream_version()
 
 
 class ComposedWheel(bdist_wheel):  # type: ignore[misc]
@@ -39,7 +38,7 @@ class ComposedWheel(bdist_wheel):  # type: ignore[misc]
 
     def run(self) -> None:
         """Compose the wheel from the upstream wheel, the patches and ``megatron/``."""
-        upstream = ensure_upstream_wheel(UPSTREAM_CACHE_DIR)
+        upstream = ensure_upstream_wheel(UPSTREAM_CACHE_DIR, UPSTREAM_VERSION)
         wheel = compose_wheel(upstream, REPO_ROOT, find_patches(PATCHES_DIR), Path(self.dist_dir))
         print(f"composed {wheel}", file=sys.stderr)
 
@@ -53,12 +52,12 @@ class NoEditableWheel(editable_wheel):  # type: ignore[misc]
 
 
 _REQUIREMENTS = requirements_from_metadata(
-    read_wheel_metadata(ensure_upstream_wheel(UPSTREAM_CACHE_DIR))
+    read_wheel_metadata(ensure_upstream_wheel(UPSTREAM_CACHE_DIR, UPSTREAM_VERSION))
 )
 
 setup(
     name=DIST_NAME,
-    version=LOCAL_VERSION,
+    version=local_version(UPSTREAM_VERSION),
     python_requires=_REQUIREMENTS.python_requires,
     install_requires=_REQUIREMENTS.install_requires,
     extras_require=_REQUIREMENTS.extras_require,

@@ -21,7 +21,8 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from .errors import ComposeError, MetadataError, OverlayCollisionError, ToolMissingError
 from .patching import apply_patches
-from .upstream import DIST_NAME, LOCAL_VERSION, UPSTREAM_VERSION, verify_sha256
+from .releases import DIST_NAME, local_version, release_of_wheel
+from .upstream import verify_sha256
 
 #: Top-level directory of this repository whose files are added to the wheel.
 OVERLAY_TOP: Final = "megatron"
@@ -110,21 +111,22 @@ def _set_metadata_version(metadata: Path, old: str, new: str) -> None:
     metadata.write_text("\n".join(lines) + separator + body, encoding="utf-8")
 
 
-def set_local_version(tree: Path) -> None:
+def set_local_version(tree: Path, upstream_version: str) -> None:
     """Rename the dist-info (and any .data) directory and set METADATA's Version."""
-    old_stem, new_stem = _dist_info_stem(UPSTREAM_VERSION), _dist_info_stem(LOCAL_VERSION)
+    new_version = local_version(upstream_version)
+    old_stem, new_stem = _dist_info_stem(upstream_version), _dist_info_stem(new_version)
     dist_info = tree / f"{old_stem}.dist-info"
     if not dist_info.is_dir():
         raise MetadataError(f"upstream wheel has no {dist_info.name} directory")
-    _set_metadata_version(dist_info / "METADATA", UPSTREAM_VERSION, LOCAL_VERSION)
+    _set_metadata_version(dist_info / "METADATA", upstream_version, new_version)
     dist_info.rename(tree / f"{new_stem}.dist-info")
     data_dir = tree / f"{old_stem}.data"
     if data_dir.is_dir():
         data_dir.rename(tree / f"{new_stem}.data")
 
 
-def pack_wheel(tree: Path, out_dir: Path, upstream_wheel: Path) -> Path:
-    """Pack ``tree`` into ``out_dir``; check the result has upstream's tags and our version."""
+def pack_wheel(tree: Path, out_dir: Path, upstream_wheel: Path, expected_version: str) -> Path:
+    """Pack ``tree`` into ``out_dir``; check the name, ``expected_version`` and upstream's tags."""
     with tempfile.TemporaryDirectory(prefix="mcore-pack-") as scratch:
         _run_wheel_tool("pack", "--dest-dir", scratch, str(tree))
         built = sorted(Path(scratch).glob("*.whl"))
@@ -132,7 +134,7 @@ def pack_wheel(tree: Path, out_dir: Path, upstream_wheel: Path) -> Path:
             raise ComposeError(f"wheel pack produced {len(built)} wheels, expected 1")
         name, version, _, tags = parse_wheel_filename(built[0].name)
         expected_tags = parse_wheel_filename(upstream_wheel.name)[3]
-        if name != canonicalize_name(DIST_NAME) or str(version) != LOCAL_VERSION or (
+        if name != canonicalize_name(DIST_NAME) or str(version) != expected_version or (
             tags != expected_tags
         ):
             raise ComposeError(f"unexpected composed wheel name {built[0].name}")
@@ -147,16 +149,19 @@ def compose_wheel(
 ) -> Path:
     """Build the composed wheel in ``out_dir`` and return its path.
 
-    Steps: hash-check ``upstream_wheel`` against the pinned sha256; refuse any file of
+    Steps: hash-check ``upstream_wheel`` against the pinned sha256 (which also makes it a
+    supported release; its version comes from its file name); refuse any file of
     ``source_root/megatron`` that upstream already ships; unpack; apply ``patch_files`` in
-    order; add the repository files; set the local version; repack (new RECORD).
+    order; add the repository files; set the local version ``X+stateadoption``; repack
+    (new RECORD).
     """
     verify_sha256(upstream_wheel)
+    upstream_version = release_of_wheel(upstream_wheel)
     overlay_files = collect_overlay_files(source_root)
     check_no_collisions(upstream_wheel, overlay_files)
     with tempfile.TemporaryDirectory(prefix="mcore-compose-") as scratch:
         tree = unpack_wheel(upstream_wheel, Path(scratch))
         apply_patches(tree, patch_files)
         copy_overlay(source_root, overlay_files, tree)
-        set_local_version(tree)
-        return pack_wheel(tree, out_dir, upstream_wheel)
+        set_local_version(tree, upstream_version)
+        return pack_wheel(tree, out_dir, upstream_wheel, local_version(upstream_version))

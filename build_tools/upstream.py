@@ -11,36 +11,19 @@ import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
 
 from packaging.tags import Tag, sys_tags
 from packaging.utils import parse_wheel_filename
 
 from .errors import HashMismatchError, MetadataError, ToolMissingError, UpstreamFetchError
-
-DIST_NAME: Final = "megatron-core"
-UPSTREAM_VERSION: Final = "0.19.2"
-LOCAL_VERSION_LABEL: Final = "stateadoption"
-LOCAL_VERSION: Final = f"{UPSTREAM_VERSION}+{LOCAL_VERSION_LABEL}"
-
-#: Environment variable naming a local copy of the upstream wheel (offline builds).
-UPSTREAM_WHEEL_ENV: Final = "MCORE_UPSTREAM_WHEEL"
-
-#: Every file the package index serves for megatron-core 0.19.2 as a wheel, with its sha256.
-UPSTREAM_WHEEL_SHA256: Final[Mapping[str, str]] = {
-    "megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl": (
-        "8e3e486f13f559450415b9b9dc0ff3331a0bb83dd154553f7f350a75ff9c42b5"
-    ),
-    "megatron_core-0.19.2-cp313-cp313-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl": (
-        "10c70ab5273457f3c8232e35bc18633aa20abc6f6ac2d190914acd6323537826"
-    ),
-    "megatron_core-0.19.2-cp312-cp312-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl": (
-        "e1717c0cdb7669d2112c3f3d80a2e748d2721b4798044d750cab5a3b2dffe38f"
-    ),
-    "megatron_core-0.19.2-cp313-cp313-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl": (
-        "346872950e729433c9477c59b5456b859fb7e457a1c0bb39c0c771c302a1d1ea"
-    ),
-}
+from .releases import (
+    ALL_PINNED_WHEELS,
+    DIST_NAME,
+    PINNED_WHEELS,
+    UPSTREAM_WHEEL_ENV,
+    release_of_wheel,
+    select_upstream_version,
+)
 
 
 def sha256_of(path: Path) -> str:
@@ -52,12 +35,17 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_sha256(path: Path, pinned: Mapping[str, str] = UPSTREAM_WHEEL_SHA256) -> None:
+def verify_sha256(path: Path, pinned: Mapping[str, str] = ALL_PINNED_WHEELS) -> None:
     """Check ``path`` against the sha256 pinned for its file name; raise on any difference."""
     expected = pinned.get(path.name)
     if expected is None:
+        release_prefix = "-".join(path.name.split("-")[:2]) + "-"
+        same_release = sorted(name for name in pinned if name.startswith(release_prefix))
         raise HashMismatchError(
-            f"no sha256 is pinned for {path.name} ({path}); pinned files: {', '.join(sorted(pinned))}"
+            f"no sha256 is pinned for {path.name} ({path}); only the cp312/cp313 wheels of "
+            "the supported releases are pinned (Python >= 3.12); pinned "
+            + ("for this release: " if same_release else "files: ")
+            + ", ".join(same_release or sorted(pinned))
         )
     actual = sha256_of(path)
     if actual != expected:
@@ -78,19 +66,19 @@ def _pinned_wheel_for(tags: list[Tag], pinned: Mapping[str, str]) -> str | None:
     return None if best is None else best[1]
 
 
-def cached_upstream_wheel(cache_dir: Path) -> Path | None:
-    """Return the cached upstream wheel for this interpreter, or None if it is not cached."""
-    name = _pinned_wheel_for(list(sys_tags()), UPSTREAM_WHEEL_SHA256)
+def cached_upstream_wheel(cache_dir: Path, version: str) -> Path | None:
+    """Return the cached wheel of release ``version`` for this interpreter, or None."""
+    name = _pinned_wheel_for(list(sys_tags()), PINNED_WHEELS[version])
     if name is None:
         return None
     candidate = cache_dir / name
     return candidate if candidate.is_file() else None
 
 
-def _pip_download(dest: Path) -> Path:
-    """Run this interpreter's pip to download the upstream wheel into ``dest``; return it."""
+def _pip_download(dest: Path, version: str) -> Path:
+    """Run this interpreter's pip to download the release's wheel into ``dest``; return it."""
     command = [
-        sys.executable, "-m", "pip", "download", f"{DIST_NAME}=={UPSTREAM_VERSION}",
+        sys.executable, "-m", "pip", "download", f"{DIST_NAME}=={version}",
         "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d", str(dest),
     ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -98,7 +86,7 @@ def _pip_download(dest: Path) -> Path:
         if "No module named pip" in result.stderr:
             raise ToolMissingError(
                 f"pip is not importable by {sys.executable}; cannot fetch "
-                f"{DIST_NAME}=={UPSTREAM_VERSION} (set {UPSTREAM_WHEEL_ENV} to a local copy)"
+                f"{DIST_NAME}=={version} (set {UPSTREAM_WHEEL_ENV} to a local copy)"
             )
         raise UpstreamFetchError(
             f"'{' '.join(command)}' failed (exit {result.returncode}):\n"
@@ -110,31 +98,44 @@ def _pip_download(dest: Path) -> Path:
     return wheels[0]
 
 
-def fetch_upstream_wheel(cache_dir: Path) -> Path:
-    """Download the upstream wheel with pip, hash-check it and move it into ``cache_dir``."""
+def fetch_upstream_wheel(cache_dir: Path, version: str) -> Path:
+    """Download release ``version`` with pip, hash-check it and move it into ``cache_dir``."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as scratch:
-        downloaded = _pip_download(Path(scratch))
-        verify_sha256(downloaded)
+        downloaded = _pip_download(Path(scratch), version)
+        verify_sha256(downloaded, PINNED_WHEELS[version])
         target = cache_dir / downloaded.name
         shutil.move(downloaded, target)
     return target
 
 
-def ensure_upstream_wheel(cache_dir: Path) -> Path:
-    """Return a hash-checked upstream wheel: ``$MCORE_UPSTREAM_WHEEL``, the cache, or pip."""
-    override = os.environ.get(UPSTREAM_WHEEL_ENV)
+def ensure_upstream_wheel(
+    cache_dir: Path, version: str | None = None, environ: Mapping[str, str] | None = None
+) -> Path:
+    """Return a hash-checked upstream wheel: ``$MCORE_UPSTREAM_WHEEL``, the cache, or pip.
+
+    ``version`` defaults to the release the environment selects (see
+    ``releases.select_upstream_version``); ``$MCORE_UPSTREAM_WHEEL`` must be a wheel of it.
+    """
+    env = os.environ if environ is None else environ
+    if version is None:
+        version = select_upstream_version(env)
+    override = env.get(UPSTREAM_WHEEL_ENV, "").strip()
     if override:
         path = Path(override).expanduser().resolve()
         if not path.is_file():
             raise UpstreamFetchError(f"{UPSTREAM_WHEEL_ENV}={override} is not a file")
-        verify_sha256(path)
+        if release_of_wheel(path) != version:
+            raise UpstreamFetchError(
+                f"{UPSTREAM_WHEEL_ENV}={override} is not a megatron-core {version} wheel"
+            )
+        verify_sha256(path, PINNED_WHEELS[version])
         return path
-    cached = cached_upstream_wheel(cache_dir)
+    cached = cached_upstream_wheel(cache_dir, version)
     if cached is not None:
-        verify_sha256(cached)
+        verify_sha256(cached, PINNED_WHEELS[version])
         return cached
-    return fetch_upstream_wheel(cache_dir)
+    return fetch_upstream_wheel(cache_dir, version)
 
 
 def read_wheel_metadata(wheel: Path) -> str:

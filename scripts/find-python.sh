@@ -11,6 +11,6 @@ find_python() {
   for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[23]*/bin/python3; do
     if [[ -x $candidate ]] && _is_py312_plus "$candidate"; then PYTHON=$candidate; return 0; fi
   done
-  echo "error: megatron-core 0.19.2 needs Python >= 3.12 and none was found (set PYTHON=...)" >&2
+  echo "error: this megatron-core build needs Python >= 3.12 and none was found (set PYTHON=...)" >&2
   return 1
 }

@@ -1,9 +1,11 @@
-"""Tests of the composed ``megatron-core`` wheel and of the composition's failure modes.
+"""Tests of the composed ``megatron-core`` wheel, of release selection and of the composition.
 
-The installed-wheel tests need this repository's wheel installed. The composition tests
-need the upstream wheel: ``$MCORE_UPSTREAM_WHEEL`` if set, else the build cache
-``build/upstream/`` (filled by ``pip install .``), else they are skipped. They never
-download anything.
+The installed-wheel tests need this repository's wheel installed (built for the release the
+environment selects, by default the newest). The composition tests need the selected
+upstream wheel: ``$MCORE_UPSTREAM_WHEEL`` if set, else the build cache ``build/upstream/``
+(filled by ``pip install .``), else they are skipped. The per-release tests compose every
+supported release; they take each upstream wheel from the cache or download it with pip into
+the cache, and are skipped, saying why, only when that fails outside CI (``$CI`` unset).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import importlib.metadata
 import importlib.util
 import io
 import os
+import ast
+import re
 import shutil
 import sys
 import zipfile
@@ -28,7 +32,8 @@ PATCH_FILE = (
     REPO_ROOT / "patches" / "0001-distrib-optimizer-route-inner-load-through-state-adoption.patch"
 )
 DISTRIB_OPTIMIZER = "megatron/core/optimizer/distrib_optimizer.py"
-EXPECTED_VERSION = "0.19.2+stateadoption"
+UPSTREAM_CACHE_DIR = REPO_ROOT / "build" / "upstream"
+SUPPORTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.0", "0.19.2")
 
 
 def _load_build_module(name: str) -> ModuleType:
@@ -62,19 +67,58 @@ def _installed_distribution() -> importlib.metadata.Distribution:
     pytest.fail("no installed megatron-core distribution ships " + DISTRIB_OPTIMIZER)
 
 
+def _selected_version() -> str:
+    """The upstream release this environment builds (what 'pip install .' would use)."""
+    return str(_load_build_module("releases").select_upstream_version(os.environ))
+
+
+def _expected_local_version() -> str:
+    return f"{_selected_version()}+stateadoption"
+
+
 def _upstream_wheel() -> Path:
     """Return the upstream wheel from $MCORE_UPSTREAM_WHEEL or the build cache, else skip."""
-    upstream = _load_build_module("upstream")
-    override = os.environ.get(upstream.UPSTREAM_WHEEL_ENV)
+    releases = _load_build_module("releases")
+    override = os.environ.get(releases.UPSTREAM_WHEEL_ENV)
     if override:
         return Path(override)
-    cached = upstream.cached_upstream_wheel(REPO_ROOT / "build" / "upstream")
+    cached = _load_build_module("upstream").cached_upstream_wheel(
+        UPSTREAM_CACHE_DIR, _selected_version()
+    )
     if cached is None:
         pytest.skip(
-            f"upstream megatron-core wheel not available: set {upstream.UPSTREAM_WHEEL_ENV} "
+            f"upstream megatron-core wheel not available: set {releases.UPSTREAM_WHEEL_ENV} "
             "or run 'pip install .' first to fill build/upstream/"
         )
     return Path(cached)
+
+
+def _release_wheel(version: str) -> Path:
+    """The hash-checked upstream wheel of ``version`` (cache or pip download).
+
+    Outside CI a failed download skips the test with the reason; in CI it fails the test.
+    """
+    upstream = _load_build_module("upstream")
+    errors = _load_build_module("errors")
+    try:
+        return Path(upstream.ensure_upstream_wheel(UPSTREAM_CACHE_DIR, version, environ={}))
+    except (errors.UpstreamFetchError, errors.ToolMissingError) as error:
+        message = f"megatron-core {version} wheel neither cached nor downloadable: {error}"
+        if os.environ.get("CI", "").lower() in ("", "0", "false", "no"):
+            pytest.skip(message)
+        pytest.fail(message)
+
+
+def _state_adoption_imports(source: str) -> set[str]:
+    """Names a module's source imports from ``megatron.core.optimizer.state_adoption``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (
+            (node.level == 0 and node.module == "megatron.core.optimizer.state_adoption")
+            or (node.level == 1 and node.module == "state_adoption")
+        ):
+            names.update(alias.name for alias in node.names)
+    return names
 
 
 @pytest.fixture
@@ -91,15 +135,14 @@ def upstream_copy(tmp_path: Path) -> Path:
 
 
 def test_installed_version_is_local_build() -> None:
-    assert _installed_distribution().version == EXPECTED_VERSION
+    assert _installed_distribution().version == _expected_local_version()
 
 
 def test_installed_distrib_optimizer_is_patched() -> None:
     path = Path(str(_installed_distribution().locate_file(DISTRIB_OPTIMIZER)))
     text = path.read_text(encoding="utf-8")
-    assert (
-        "from .state_adoption import export_inner_optimizer_state_dict, "
-        "load_inner_optimizer_state_dict" in text
+    assert {"export_inner_optimizer_state_dict", "load_inner_optimizer_state_dict"} <= set(
+        _state_adoption_imports(text)
     )
     assert "inner_state_dict = export_inner_optimizer_state_dict(self)" in text
     assert "load_inner_optimizer_state_dict(\n            self, {" in text
@@ -134,7 +177,7 @@ def test_corrupted_upstream_wheel_is_rejected(upstream_copy: Path, tmp_path: Pat
     compose = _load_build_module("compose_wheel")
     errors = _load_build_module("errors")
     upstream = _load_build_module("upstream")
-    expected = upstream.UPSTREAM_WHEEL_SHA256[upstream_copy.name]
+    expected = _load_build_module("releases").ALL_PINNED_WHEELS[upstream_copy.name]
     with upstream_copy.open("ab") as stream:
         stream.write(b"corrupted")
     actual = upstream.sha256_of(upstream_copy)
@@ -158,10 +201,11 @@ def test_patch_with_failing_hunk_names_file_and_hunk(upstream_copy: Path, tmp_pa
     )
     with pytest.raises(errors.PatchError) as caught:
         compose.compose_wheel(upstream_copy, REPO_ROOT, [broken], tmp_path / "out")
+    hunk = original[: original.index(broken_line)].count("\n@@ ")
     message = str(caught.value)
     assert PATCH_FILE.name in message
     assert DISTRIB_OPTIMIZER in message
-    assert "hunk #3 FAILED" in message and "hunk #1" not in message and "hunk #2" not in message
+    assert re.findall(r"hunk #(\d+)", message) == [str(hunk)] and "FAILED" in message
     assert not (tmp_path / "out").exists()
 
 
@@ -188,8 +232,9 @@ def test_composition_succeeds_on_pristine_inputs(upstream_copy: Path, tmp_path: 
     compose = _load_build_module("compose_wheel")
     wheel = compose.compose_wheel(upstream_copy, REPO_ROOT, [PATCH_FILE], tmp_path / "out")
     upstream_tags = upstream_copy.name.split("-", 2)[2]
-    assert wheel.name == f"megatron_core-{EXPECTED_VERSION}-{upstream_tags}"
-    dist_info = f"megatron_core-{EXPECTED_VERSION}.dist-info"
+    expected_version = _expected_local_version()
+    assert wheel.name == f"megatron_core-{expected_version}-{upstream_tags}"
+    dist_info = f"megatron_core-{expected_version}.dist-info"
     with zipfile.ZipFile(wheel) as composed, zipfile.ZipFile(upstream_copy) as original:
         names = set(composed.namelist())
         ours = {f"megatron/{p.relative_to(REPO_ROOT / 'megatron').as_posix()}"
@@ -198,9 +243,10 @@ def test_composition_succeeds_on_pristine_inputs(upstream_copy: Path, tmp_path: 
         upstream_files = {n for n in original.namelist() if not n.endswith("/")}
         assert {n for n in upstream_files if ".dist-info/" not in n} <= names
         patched = composed.read(DISTRIB_OPTIMIZER).decode()
+        assert "load_inner_optimizer_state_dict" in _state_adoption_imports(patched)
         assert "inner_state_dict = export_inner_optimizer_state_dict(self)" in patched
         metadata = composed.read(f"{dist_info}/METADATA").decode()
-        assert f"\nVersion: {EXPECTED_VERSION}\n" in metadata
+        assert f"\nVersion: {expected_version}\n" in metadata
         with composed.open(f"{dist_info}/RECORD") as record_file:
             record = list(csv.reader(io.TextIOWrapper(record_file, encoding="utf-8")))
         assert {row[0] for row in record} == names
@@ -210,6 +256,120 @@ def test_composition_succeeds_on_pristine_inputs(upstream_copy: Path, tmp_path: 
             data = composed.read(path)
             expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
             assert (digest, int(size)) == (f"sha256={expected.decode()}", len(data)), path
+
+
+# release selection and per-release pins (no upstream wheel needed)
+
+WHEEL_0171 = "megatron_core-0.17.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+
+
+def test_supported_releases_and_default_is_newest() -> None:
+    releases = _load_build_module("releases")
+    assert releases.supported_versions() == SUPPORTED
+    assert releases.DEFAULT_UPSTREAM_VERSION == SUPPORTED[-1] == "0.19.2"
+    assert releases.select_upstream_version({}) == "0.19.2"
+    assert releases.select_upstream_version({"MCORE_UPSTREAM_VERSION": ""}) == "0.19.2"
+    assert releases.local_version("0.18.2") == "0.18.2+stateadoption"
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_version_selected_by_environment_variable(version: str) -> None:
+    releases = _load_build_module("releases")
+    assert releases.UPSTREAM_VERSION_ENV == "MCORE_UPSTREAM_VERSION"
+    assert releases.select_upstream_version({"MCORE_UPSTREAM_VERSION": f" {version} "}) == version
+
+
+@pytest.mark.parametrize("value", ["0.15.0", "0.19.1", "0.20.0", "latest", "0.19.2+stateadoption"])
+def test_unknown_version_is_refused_listing_the_supported_ones(value: str) -> None:
+    releases = _load_build_module("releases")
+    with pytest.raises(releases.UnsupportedReleaseError) as caught:
+        releases.select_upstream_version({"MCORE_UPSTREAM_VERSION": value})
+    message = str(caught.value)
+    assert f"MCORE_UPSTREAM_VERSION={value}" in message and "does not support" in message
+    assert "0.16.1, 0.17.1, 0.18.2, 0.19.0, 0.19.2 (default 0.19.2)" in message
+
+
+def test_version_inferred_from_offline_wheel_name() -> None:
+    releases = _load_build_module("releases")
+    env = {"MCORE_UPSTREAM_WHEEL": f"/somewhere/{WHEEL_0171}"}
+    assert releases.select_upstream_version(env) == "0.17.1"
+    assert releases.select_upstream_version({**env, "MCORE_UPSTREAM_VERSION": "0.17.1"}) == "0.17.1"
+    with pytest.raises(releases.UnsupportedReleaseError, match="disagrees"):
+        releases.select_upstream_version({**env, "MCORE_UPSTREAM_VERSION": "0.19.2"})
+    for name, match in [
+        ("megatron_core-0.15.0-cp312-cp312-manylinux_2_28_x86_64.whl", "does not support"),
+        ("megatron_core-0.19.2.tar.gz", "not a wheel file name"),
+        ("torch-2.6.0-cp312-cp312-manylinux_2_28_x86_64.whl", "not of megatron-core"),
+    ]:
+        with pytest.raises(releases.UnsupportedReleaseError, match=match):
+            releases.select_upstream_version({"MCORE_UPSTREAM_WHEEL": f"/x/{name}"})
+
+
+def test_offline_wheel_of_another_release_or_unpinned_file_is_refused(tmp_path: Path) -> None:
+    upstream = _load_build_module("upstream")
+    errors = _load_build_module("errors")
+    wheel = tmp_path / WHEEL_0171
+    wheel.write_bytes(b"not the real wheel")
+    with pytest.raises(errors.UpstreamFetchError, match="not a megatron-core 0.19.2 wheel"):
+        upstream.ensure_upstream_wheel(
+            tmp_path / "cache", "0.19.2", environ={"MCORE_UPSTREAM_WHEEL": str(wheel)}
+        )
+    with pytest.raises(errors.HashMismatchError, match="sha256 mismatch"):
+        # the release comes from the file name (0.17.1), then the pinned hash is checked
+        upstream.ensure_upstream_wheel(tmp_path / "c", environ={"MCORE_UPSTREAM_WHEEL": str(wheel)})
+    cp311 = tmp_path / WHEEL_0171.replace("cp312", "cp311")
+    cp311.write_bytes(b"")
+    with pytest.raises(errors.HashMismatchError, match="no sha256 is pinned.*Python >= 3.12"):
+        upstream.ensure_upstream_wheel(tmp_path / "c", environ={"MCORE_UPSTREAM_WHEEL": str(cp311)})
+
+
+def test_every_release_pins_cp312_and_cp313_wheels_for_both_platforms() -> None:
+    releases = _load_build_module("releases")
+    platforms = (
+        "manylinux_2_24_x86_64.manylinux_2_28_x86_64",
+        "manylinux_2_24_aarch64.manylinux_2_28_aarch64",
+    )
+    for version in SUPPORTED:
+        pinned = releases.PINNED_WHEELS[version]
+        assert set(pinned) == {
+            f"megatron_core-{version}-{tag}-{tag}-{platform}.whl"
+            for tag in ("cp312", "cp313") for platform in platforms
+        }
+        assert all(releases.release_of_wheel(name) == version for name in pinned)
+        assert all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in pinned.values())
+    digests = list(releases.ALL_PINNED_WHEELS.values())
+    assert len(digests) == len(set(digests)) == 4 * len(SUPPORTED)
+    # the sha256 of the 0.19.2 x86_64 wheel measured on the GPU machine (docs/gpu-report.md)
+    assert releases.PINNED_WHEELS["0.19.2"][
+        "megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    ].startswith("8e3e486f")
+
+
+# every supported release: the patches apply with --fuzz=0 and the composition succeeds
+# (downloads the upstream wheels that are not cached yet)
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_patches_apply_with_fuzz_0_and_compose_each_release(version: str, tmp_path: Path) -> None:
+    patching = _load_build_module("patching")
+    compose = _load_build_module("compose_wheel")
+    assert "--fuzz=0" in patching.PATCH_OPTIONS
+    upstream_wheel = _release_wheel(version)
+    patches = patching.find_patches(REPO_ROOT / "patches")
+    assert patches
+    tree = tmp_path / "tree"
+    with zipfile.ZipFile(upstream_wheel) as archive:
+        archive.extract(DISTRIB_OPTIMIZER, tree)
+    original = (tree / DISTRIB_OPTIMIZER).read_text(encoding="utf-8")
+    patching.apply_patches(tree, patches)  # dry run, then apply; raises PatchError naming hunks
+    patched = (tree / DISTRIB_OPTIMIZER).read_text(encoding="utf-8")
+    assert patched != original
+    assert "load_inner_optimizer_state_dict" in _state_adoption_imports(patched)
+    assert "        self.optimizer.load_state_dict(\n            {\"state\"" not in patched
+    wheel = compose.compose_wheel(upstream_wheel, REPO_ROOT, patches, tmp_path / "out")
+    assert wheel.name == upstream_wheel.name.replace(f"-{version}-", f"-{version}+stateadoption-")
+    with zipfile.ZipFile(wheel) as composed:
+        assert composed.read(DISTRIB_OPTIMIZER).decode("utf-8") == patched
 
 
 # metadata conversion used by setup.py (no upstream wheel needed)

@@ -3,8 +3,8 @@
 A full DistributedOptimizer needs CUDA buffers, so ``CpuDistributedOptimizer`` subclasses the
 installed class and only sets what ``load_state_dict`` reads on the path where the inner
 optimizer's state is already initialised (MCore's second load pass). ``load_state_dict``
-itself is the installed, unmodified method. With plain upstream 0.19.2 (even with this
-subsystem importable) these tests fail: nothing consults the registry.
+itself is the installed, unmodified method. With plain upstream megatron-core (any supported
+release, even with this subsystem importable) these tests fail: nothing consults the registry.
 """
 
 import logging
@@ -40,10 +40,19 @@ class CpuDistributedOptimizer(DistributedOptimizer):
         self.is_stub_optimizer = False
 
 
+#: The keys MCore's ``_get_param_groups`` puts in every param group (0.16.1 to 0.19.2).
+#: ``load_state_dict`` pairs saved and current groups by some of them; before 0.19 it
+#: raises ``ValueError: Key wd_mult (or pre_wd_mult) not found`` for a group without them.
+MCORE_PARAM_GROUP_KEYS: Dict[str, Any] = {
+    "is_expert_parallel": False, "default_config": True, "wd_mult": 1.0, "lr_mult": 1.0,
+    "is_decoupled_lr": False, "max_lr": 1e-3, "min_lr": 0.0,
+}
+
+
 def _trained_adam(seed: int) -> torch.optim.Adam:
     generator = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in [(10,), (4, 3)]]
-    optimizer = torch.optim.Adam(params, lr=1e-3)
+    optimizer = torch.optim.Adam([{"params": params, **MCORE_PARAM_GROUP_KEYS}], lr=1e-3)
     for _ in range(2):
         for param in params:
             param.grad = torch.randn(param.shape, generator=generator)
