@@ -96,6 +96,9 @@ def test_call_site_makes_our_patch_changes(branch: str) -> None:
         else:
             callee = build_series._new_callee(hunk)
             assert any(f"{callee}(self" in line for line in added), callee
+            comments, _ = build_series._split_comments(hunk.added)
+            stripped = {line.strip() for line in added}
+            assert all(line.strip() in stripped for line in comments), "rebuild the series"
     assert not any("_optimizer_state_offloader" in line for line in removed)
     assert sum(build_series.OFFLOADER_GUARD in line for line in added) == sum(
         h.kind == "export" for h in ours
@@ -234,7 +237,8 @@ def test_series_rebuilds_byte_for_byte(branch: str, tmp_path: Path) -> None:
             for path in build_series.TOUCHED_UPSTREAM_FILES
         },
     )
-    rebuilt = build_series.build(snapshot, tmp_path / branch)
+    name, email = MANIFEST[branch]["author"][:-1].split(" <")
+    rebuilt = build_series.build(snapshot, tmp_path / branch, identity=(name, email))
     assert [p.name for p in rebuilt] == MANIFEST[branch]["patches"]
     for patch in rebuilt:
         committed = REPO_ROOT / "upstream" / branch / patch.name

@@ -559,9 +559,17 @@ def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
     ]
 
 
-def build(snapshot: Snapshot, out_dir: Path) -> List[Path]:
-    """Write the series for ``snapshot`` into ``out_dir`` (emptied first); return the patches."""
-    name, email = _identity()
+def build(
+    snapshot: Snapshot, out_dir: Path, identity: Optional[Tuple[str, str]] = None
+) -> List[Path]:
+    """Write the series for ``snapshot`` into ``out_dir`` (emptied first); return the patches.
+
+    Args:
+        snapshot: the Megatron-LM files the series changes.
+        out_dir: where the patches go.
+        identity: (name, email) of the author; defaults to this repository's git user.
+    """
+    name, email = identity or _identity()
     env = _commit_env(name, email)
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
@@ -612,6 +620,7 @@ def record(snapshot: Snapshot, patches: Sequence[Path], apply_check: Optional[st
         pre_image_blobs={p: _blob_id(c) for p, c in sorted(snapshot.files.items())},
         patches=[p.name for p in patches],
         series_date=SERIES_DATE,
+        author="{} <{}>".format(*_identity()),
     )
     if apply_check is not None:
         entry["git_apply_check"] = apply_check

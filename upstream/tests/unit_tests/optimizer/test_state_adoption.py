@@ -59,9 +59,7 @@ class RecordingAdopter:
         fail_after_partial_install: install the state of one parameter, then raise.
     """
 
-    def __init__(
-        self, name, accept=True, check_error=None, fail_after_partial_install=False
-    ):
+    def __init__(self, name, accept=True, check_error=None, fail_after_partial_install=False):
         self.name = name
         self.accept = accept
         self.check_error = check_error
@@ -269,7 +267,9 @@ class TestStateAdopterRegistry:
     def test_outcome_hooks_run_in_order_until_removed(self):
         calls = []
         last = register_outcome_hook(lambda outcome: calls.append(("last", outcome)))
-        first = register_outcome_hook(lambda outcome: calls.append(("first", outcome)), prepend=True)
+        first = register_outcome_hook(
+            lambda outcome: calls.append(("first", outcome)), prepend=True
+        )
         try:
             outcome = load_inner_optimizer_state_dict(
                 _owner(_trained_adam(0)), _trained_adam(1).state_dict()
@@ -335,7 +335,9 @@ class TestStateAdoptionFailSafety:
         state_dict = source.state_dict()
         reference.load_state_dict(copy.deepcopy(state_dict))
         incoming_moments = [
-            entry[key] for entry in state_dict["state"].values() for key in ("exp_avg", "exp_avg_sq")
+            entry[key]
+            for entry in state_dict["state"].values()
+            for key in ("exp_avg", "exp_avg_sq")
         ]
         incoming_copies = [tensor.clone() for tensor in incoming_moments]
 
@@ -564,12 +566,13 @@ class TestDistributedOptimizerCheckpointAdoption:
             tmp_path_dist_ckpt / f"test_state_adoption_{sharding_type}", sync=True
         ) as ckpt_dir:
             model_A, optimizer_A = setup_model_and_optimizer(seed=2, tp=1, pp=1)
-            if not all(
-                isinstance(d.optimizer, FusedAdam) for d in optimizer_A.chained_optimizers
-            ):
+            if not all(isinstance(d.optimizer, FusedAdam) for d in optimizer_A.chained_optimizers):
                 pytest.skip("the distributed optimizer does not use TE's FusedAdam")
             self._fill_state(optimizer_A, seed=100 + Utils.rank)
-            save(optimizer_A.sharded_state_dict(model_A[0].sharded_state_dict(), metadata=metadata), ckpt_dir)
+            save(
+                optimizer_A.sharded_state_dict(model_A[0].sharded_state_dict(), metadata=metadata),
+                ckpt_dir,
+            )
 
             model_B, optimizer_B = setup_model_and_optimizer(seed=3, tp=1, pp=1)
             self._fill_state(optimizer_B, seed=200 + Utils.rank)
