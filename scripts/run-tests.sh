@@ -27,7 +27,8 @@ echo "== install the example plugin (opt-in precision-aware adopter, entry point
 python -m pip install -q ./examples/te-precision-aware-adopter
 
 echo "== mypy --strict"
-python -m mypy megatron/core/optimizer/state_adoption build_tools setup.py examples/te-precision-aware-adopter/src
+python -m mypy megatron/core/optimizer/state_adoption build_tools setup.py examples/te-precision-aware-adopter/src \
+  upstream/build_series.py upstream/make_gpu_bundle.py upstream/pytest_outcomes.py
 
 echo "== docs: sphinx -W (warnings are errors)"
 python -m sphinx -W --keep-going -q -b html docs "$work/docs-html"

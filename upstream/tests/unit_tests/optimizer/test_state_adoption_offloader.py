@@ -1,0 +1,81 @@
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+
+"""With a chunked optimizer-state offloader, ``DistributedOptimizer.load_state_dict`` is unchanged.
+
+The offloader's ``load_state_dict_without_device_cast`` is part of the offload mechanism (it keeps
+selected states in pinned CPU memory), so it must never be replaced by an adopter, switched off
+or fallen back from. These tests pin that: with an offloader set, no adopter or exporter is
+consulted, no outcome is reported, and the offloader receives what upstream handed it.
+"""
+
+from tests.unit_tests.optimizer.test_state_adoption import (  # noqa: F401 (fixtures)
+    RecordingAdopter,
+    _bare_distributed_optimizer,
+    _loads,
+    _moments,
+    _outer_state_dict,
+    _trained_adam,
+    outcomes,
+    register,
+)
+
+
+class RecordingOffloader:
+    """Stands in for ``ChunkedOptimizerStateOffloader``; records what it is asked to load."""
+
+    def __init__(self):
+        self.loaded = []
+
+    def load_state_dict_without_device_cast(self, state_dict):
+        self.loaded.append(state_dict)
+
+
+def _count_state_dict_calls(inner):
+    calls = []
+    own_state_dict = inner.state_dict
+
+    def state_dict():
+        calls.append(True)
+        return own_state_dict()
+
+    inner.state_dict = state_dict
+    return calls
+
+
+class TestStateAdoptionWithChunkedOffloader:
+    def test_offloader_loads_without_adoption(self, register, outcomes):
+        adopter = RecordingAdopter("test_accepting")
+        register(adopter)
+        inner = _trained_adam(0)
+        distributed = _bare_distributed_optimizer(inner)
+        distributed._optimizer_state_offloader = RecordingOffloader()
+        outer = _outer_state_dict(inner)
+        moments = _moments(inner)
+        state_dict_calls = _count_state_dict_calls(inner)
+
+        distributed.load_state_dict(outer)
+
+        assert adopter.checked == [] and adopter.adopted == []
+        assert outcomes == []
+        assert len(state_dict_calls) == 1
+        (loaded,) = distributed._optimizer_state_offloader.loaded
+        assert sorted(loaded) == ["param_groups", "state"]
+        params = [p for g in inner.param_groups for p in g["params"]]
+        for index, param in enumerate(params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert loaded["state"][index][key] is inner.state[param][key]
+        (group,) = loaded["param_groups"]
+        assert group["params"] == list(range(len(params)))
+        assert group["step"] == 2
+        assert all(a is b for a, b in zip(_moments(inner), moments))
+
+    def test_without_offloader_the_registry_is_consulted(self, register, outcomes):
+        adopter = RecordingAdopter("test_accepting")
+        register(adopter)
+        distributed = _bare_distributed_optimizer(_trained_adam(0))
+        distributed._optimizer_state_offloader = None
+
+        distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+
+        assert len(adopter.adopted) == 1
+        assert [o.adopter for o in _loads(outcomes)] == ["test_accepting"]
