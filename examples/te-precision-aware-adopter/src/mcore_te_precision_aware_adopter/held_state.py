@@ -35,7 +35,9 @@ def storage_ptr(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
-def load_into_held_state(held: Dict[str, torch.Tensor], incoming: Mapping[str, torch.Tensor]) -> int:
+def load_into_held_state(
+    held: Dict[str, torch.Tensor], incoming: Mapping[str, torch.Tensor]
+) -> int:
     """Load one parameter's accepted payload: convert into BF16 states, install the rest.
 
     An incoming tensor of the held dtype that is not the held tensor (FP32 master weights,
@@ -127,7 +129,9 @@ def held_state_decline_reason(
     seen_storages = set(param_storages)
     held_states = [optimizer.state.get(param) for _, param, _ in pairs]
     for (index, param, incoming), held in zip(pairs, held_states):
-        reason = held_entry_decline_reason(param, held, expected_state(param), scales, seen_storages)
+        reason = held_entry_decline_reason(
+            param, held, expected_state(param), scales, seen_storages
+        )
         if reason is None:
             reason = _incoming_entry_decline_reason(param, incoming, held)
         if reason is not None:

@@ -118,7 +118,9 @@ def _byte_count_problem(count: object, method: str) -> Optional[str]:
     return None
 
 
-def _install(registration: StateAdopterRegistration, context: StateAdoptionContext) -> Optional[int]:
+def _install(
+    registration: StateAdopterRegistration, context: StateAdoptionContext
+) -> Optional[int]:
     """Let the adopter install the state; on any failure roll back and return None."""
     snapshot = _OptimizerSnapshot.capture(context.optimizer)
     try:
@@ -187,7 +189,9 @@ def _fallback_reason(
 def _finish(outcome: StateAdoptionOutcome, level: int) -> StateAdoptionOutcome:
     """Log ``outcome`` for people (rank 0) and hand it to the outcome hooks (every rank)."""
     for name, reason in outcome.declines:
-        log_single_rank(logger, logging.DEBUG, "Optimizer state adopter %r declined: %s", name, reason)
+        log_single_rank(
+            logger, logging.DEBUG, "Optimizer state adopter %r declined: %s", name, reason
+        )
     verb = "installed" if outcome.hook_point == _LOAD_HOOK_POINT else "exported"
     if outcome.adopter is not None:
         log_single_rank(
@@ -256,7 +260,9 @@ def _load_inner_state(
     failure: Optional[str] = None
     own_loader_input = state_dict
     for registration in registry.registrations():
-        reason = _skip_reason(registration, registration.adopter.decline_reason, context, instance_reason)
+        reason = _skip_reason(
+            registration, registration.adopter.decline_reason, context, instance_reason
+        )
         if reason is None:
             try:
                 pristine = _copy_containers(state_dict)
@@ -269,7 +275,11 @@ def _load_inner_state(
         if avoided_bytes is not None:
             return _finish(
                 StateAdoptionOutcome(
-                    _LOAD_HOOK_POINT, optimizer_name, registration.name, avoided_bytes, tuple(declines)
+                    _LOAD_HOOK_POINT,
+                    optimizer_name,
+                    registration.name,
+                    avoided_bytes,
+                    tuple(declines),
                 ),
                 logging.INFO,
             )
@@ -294,7 +304,10 @@ def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str
         own: Dict[str, Any] = optimizer.state_dict()
         _finish(
             StateAdoptionOutcome(
-                _EXPORT_HOOK_POINT, optimizer_name, None, fallback_reason=f"{_DISABLE_ENV_VAR} is set"
+                _EXPORT_HOOK_POINT,
+                optimizer_name,
+                None,
+                fallback_reason=f"{_DISABLE_ENV_VAR} is set",
             ),
             logging.DEBUG,
         )
@@ -307,7 +320,9 @@ def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str
         exporter = registration.adopter
         if not isinstance(exporter, StateExporter):
             continue
-        reason = _skip_reason(registration, exporter.export_decline_reason, context, instance_reason)
+        reason = _skip_reason(
+            registration, exporter.export_decline_reason, context, instance_reason
+        )
         if reason is not None:
             declines.append((registration.name, reason))
             continue
@@ -316,7 +331,11 @@ def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str
             state_dict, avoided_bytes = exported
             _finish(
                 StateAdoptionOutcome(
-                    _EXPORT_HOOK_POINT, optimizer_name, registration.name, avoided_bytes, tuple(declines)
+                    _EXPORT_HOOK_POINT,
+                    optimizer_name,
+                    registration.name,
+                    avoided_bytes,
+                    tuple(declines),
                 ),
                 logging.INFO,
             )
@@ -327,7 +346,11 @@ def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str
     reason = _fallback_reason(declines, instance_reason, failure)
     _finish(
         StateAdoptionOutcome(
-            _EXPORT_HOOK_POINT, optimizer_name, None, declines=tuple(declines), fallback_reason=reason
+            _EXPORT_HOOK_POINT,
+            optimizer_name,
+            None,
+            declines=tuple(declines),
+            fallback_reason=reason,
         ),
         logging.DEBUG,
     )

@@ -69,9 +69,7 @@ class StateAdoptionOutcome:
 
 
 _LOCK = threading.RLock()
-_OUTCOME_HOOKS: _LockedHandleDict[Callable[[StateAdoptionOutcome], None]] = _LockedHandleDict(
-    _LOCK
-)
+_OUTCOME_HOOKS: _LockedHandleDict[Callable[[StateAdoptionOutcome], None]] = _LockedHandleDict(_LOCK)
 
 
 def register_outcome_hook(

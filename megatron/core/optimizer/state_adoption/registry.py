@@ -72,9 +72,7 @@ def _check_is_adopter(adopter: object) -> None:
             "'decline_reason(context)' and 'adopt(context)'"
         )
     if not isinstance(adopter.name, str) or not adopter.name.strip() or "," in adopter.name:
-        raise TypeError(
-            f"state adopter {adopter!r} needs a non-empty string 'name' without commas"
-        )
+        raise TypeError(f"state adopter {adopter!r} needs a non-empty string 'name' without commas")
 
 
 def _entry_point_origin(entry_point: EntryPoint) -> str:
@@ -127,9 +125,7 @@ class _StateAdopterRegistry:
                         f"({registration.origin}); remove it first or choose another name"
                     )
             handle = RemovableHandle(self._registrations)
-            self._registrations[handle.id] = StateAdopterRegistration(
-                name, adopter, origin, handle
-            )
+            self._registrations[handle.id] = StateAdopterRegistration(name, adopter, origin, handle)
             if prepend:
                 self._registrations.move_to_end(handle.id, last=False)
         return handle

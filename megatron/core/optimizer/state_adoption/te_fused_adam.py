@@ -203,10 +203,14 @@ def _release(version: Optional[str]) -> Optional[Tuple[int, int]]:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _remainders_decline_reason(optimizer: torch.optim.Optimizer, te_version: Optional[str]) -> Optional[str]:
+def _remainders_decline_reason(
+    optimizer: torch.optim.Optimizer, te_version: Optional[str]
+) -> Optional[str]:
     """Accept ``store_param_remainders`` off, or absent in a release that has no such mode."""
     if hasattr(optimizer, "store_param_remainders"):
-        return "FusedAdam.store_param_remainders is set" if optimizer.store_param_remainders else None
+        return (
+            "FusedAdam.store_param_remainders is set" if optimizer.store_param_remainders else None
+        )
     release = _release(te_version)
     first, last_excluded = _RELEASES_WITHOUT_REMAINDERS
     if release is None:

@@ -42,7 +42,11 @@ def _bitwise_equal(left: Any, right: Any) -> bool:
         return (
             left.dtype == right.dtype
             and left.shape == right.shape
-            and bool(torch.equal(left.contiguous().view(torch.uint8), right.contiguous().view(torch.uint8)))
+            and bool(
+                torch.equal(
+                    left.contiguous().view(torch.uint8), right.contiguous().view(torch.uint8)
+                )
+            )
         )
     return bool(left == right)
 
@@ -69,13 +73,13 @@ def assert_check_is_side_effect_free(
     assert len(after) == len(state_before) and all(
         a[:2] == b[:2] and a[2] is b[2] for a, b in zip(after, state_before)
     ), f"{adopter.name}: decline_reason changed the optimizer's state"
-    assert _groups_without_params(optimizer) == groups_before, (
-        f"{adopter.name}: decline_reason changed the optimizer's param groups"
-    )
+    assert (
+        _groups_without_params(optimizer) == groups_before
+    ), f"{adopter.name}: decline_reason changed the optimizer's param groups"
     assert [list(g["params"]) for g in optimizer.param_groups] == params_before
-    assert {k: dict(v) for k, v in context.state_dict["state"].items()} == incoming_before, (
-        f"{adopter.name}: decline_reason changed the incoming state dict"
-    )
+    assert {
+        k: dict(v) for k, v in context.state_dict["state"].items()
+    } == incoming_before, f"{adopter.name}: decline_reason changed the incoming state dict"
     return answer
 
 
@@ -115,10 +119,12 @@ def assert_adoption_matches_own_loader(
 
     loaded_optimizer = make_optimizer()
     loaded_optimizer.load_state_dict(make_state_dict())
-    adopted_state, loaded_state = _state_snapshot(adopted_optimizer), _state_snapshot(loaded_optimizer)
-    assert [e[:2] for e in adopted_state] == [e[:2] for e in loaded_state], (
-        f"{adopter.name}: the adopted state has other entries than the optimizer's own loader"
+    adopted_state, loaded_state = _state_snapshot(adopted_optimizer), _state_snapshot(
+        loaded_optimizer
     )
+    assert [e[:2] for e in adopted_state] == [
+        e[:2] for e in loaded_state
+    ], f"{adopter.name}: the adopted state has other entries than the optimizer's own loader"
     for (position, key, mine), (_, _, theirs) in zip(adopted_state, loaded_state):
         assert _bitwise_equal(mine, theirs), f"{adopter.name}: parameter {position} {key} differs"
     assert _groups_without_params(adopted_optimizer) == _groups_without_params(loaded_optimizer)

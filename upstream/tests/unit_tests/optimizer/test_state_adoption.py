@@ -220,7 +220,7 @@ class TestStateAdopterRegistry:
         assert ("test_declining", "test_declining declines in this test") in outcome.declines
         assert len(first.adopted) == 1 and second.checked == []
         assert _loads(outcomes) == [outcome]
-        assert json.loads(outcome.to_json())["adopter"] == "test_first"
+        assert json.loads(json.dumps(outcome.to_json()))["adopter"] == "test_first"
         _assert_same_state(optimizer, source)
 
     def test_context_describes_the_owner(self, register):
