@@ -11,10 +11,8 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.state_adoption import (
-    StateAdoptionContext,
-    TEFusedAdamFP32StateAdopter,
-)
+from megatron.core.optimizer.state_adoption import StateAdoptionContext
+from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 PARAM_SHAPES = [(64,), (16, 8), (7,), (33,)]
 GROUP_SIZES = [2, 2]
@@ -110,11 +108,6 @@ def assert_bitwise_equal(left: List[torch.Tensor], right: List[torch.Tensor]) ->
     for a, b in zip(left, right):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def owner_of(optimizer: torch.optim.Optimizer, **overrides: Any) -> Owner:
-    """An owner with default (eligible) configs."""
-    return Owner(optimizer, **overrides)
 
 
 def config_with(**changes: Any) -> OptimizerConfig:

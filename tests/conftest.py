@@ -11,18 +11,18 @@ sys.path.insert(0, str(TESTS_DIR.parent))  # benchmarks/ (its model builder serv
 
 from builders import standin_adopter  # noqa: E402
 
-from megatron.core.optimizer.state_adoption import StateAdopterRegistry  # noqa: E402
+from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry  # noqa: E402
 
 
 @pytest.fixture
-def registry() -> StateAdopterRegistry:
+def registry() -> _StateAdopterRegistry:
     """A registry without entry-point discovery holding only the stand-in adopter."""
-    fresh = StateAdopterRegistry(entry_point_group=None)
+    fresh = _StateAdopterRegistry(entry_point_group=None)
     fresh.register(standin_adopter())
     return fresh
 
 
 @pytest.fixture
-def empty_registry() -> StateAdopterRegistry:
+def empty_registry() -> _StateAdopterRegistry:
     """A registry without adopters and without entry-point discovery."""
-    return StateAdopterRegistry(entry_point_group=None)
+    return _StateAdopterRegistry(entry_point_group=None)

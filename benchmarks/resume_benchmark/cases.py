@@ -131,6 +131,15 @@ class BenchmarkCase:
         """Bytes per optimizer parameter the build should avoid versus upstream at load time."""
         return 0 if self.precision_aware else FP32_MOMENT_PAIR_BYTES
 
+    @property
+    def load_peak_within_training_peak_expected(self) -> bool:
+        """Whether the build's load peak should stay within the training peak on every rank.
+
+        True with FP32 moments (the build's load peak is the final state plus transients);
+        the precision-aware case keeps TE's loader, whose peak exceeds training on both sides.
+        """
+        return not self.precision_aware
+
     def expected_saving_given(self, build_adopters: Iterable[str] | None) -> int | None:
         """:attr:`expected_saving_bytes_per_param` when the build side registered only
         :data:`DEFAULT_ADOPTERS` (or did not record its adopters); None (not predicted) when it

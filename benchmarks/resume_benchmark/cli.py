@@ -14,17 +14,19 @@ benchmark (no CUDA GPU or no Transformer Engine); 3 the sides are wrong (the bui
 a case missed its expectation (saving or bitwise equality). Invalid flags (including a process
 layout Megatron-Core cannot build) are usage errors, reported by argparse with status 2.
 
-Multi-rank (``--nproc-per-node N``, optionally ``--tensor-model-parallel-size``,
-``--expert-model-parallel-size``, ``--resume-nproc-per-node M``): every phase runs as one
-``python -m torch.distributed.run --standalone --nproc-per-node N`` launch; each rank measures and
-fingerprints its own shards and the report has one row per case, side and rank (see
-docs/multi-gpu.md). Without these flags the benchmark runs exactly as on one rank.
+Ranks (``--nproc-per-node N``, optionally ``--tensor-model-parallel-size``,
+``--expert-model-parallel-size``, ``--resume-nproc-per-node M``): one rank is a plain worker
+process, several are one ``python -m torch.distributed.run --standalone --nproc-per-node N``
+launch; every rank measures and fingerprints its own shards, and on several ranks the report has
+one row per case, side and rank (see docs/multi-gpu.md). ``--gpus`` chooses the GPUs
+(``CUDA_VISIBLE_DEVICES`` of every worker; an inherited one is passed on as it is).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -39,9 +41,8 @@ from benchmarks.resume_benchmark.cases import (
     ModelSize,
     make_case,
 )
-from benchmarks.resume_benchmark.driver import Workspace, run_case, run_worker
+from benchmarks.resume_benchmark.driver import CaseRun, Workspace, run_case, run_phase
 from benchmarks.resume_benchmark.launch import LayoutError, ParallelLayout, validate_layout
-from benchmarks.resume_benchmark.multirank import run_multi_rank_case
 from benchmarks.resume_benchmark.preflight import (
     EXIT_CANNOT_RUN,
     cannot_run_message,
@@ -91,6 +92,15 @@ def _parse_cases(text: str) -> list[str]:
             f"choose from all, {', '.join(CASE_NAMES)}"
         )
     return names
+
+
+def _parse_gpus(text: str) -> str:
+    indices = [part.strip() for part in text.split(",")]
+    if not indices or not all(i.isdigit() for i in indices) or len(set(indices)) != len(indices):
+        raise argparse.ArgumentTypeError(
+            f"--gpus takes distinct GPU indices separated by commas (e.g. 0,1), got {text!r}"
+        )
+    return ",".join(indices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,13 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 4 unless every measured case shows the expected saving (where one is "
         "predicted) and bitwise-identical restored state and next step",
     )
-    ranks = parser.add_argument_group("multi-rank (torch.distributed.run on this node)")
+    ranks = parser.add_argument_group("ranks (several: torch.distributed.run on this node)")
     ranks.add_argument(
         "--nproc-per-node",
         type=int,
         default=1,
         help="ranks (GPUs) for train+save+control and, by default, for each resume (default 1: "
-        "the single-rank benchmark, no torchrun)",
+        "plain worker processes, no launcher)",
     )
     ranks.add_argument(
         "--tensor-model-parallel-size", type=int, default=1, help="TP size (default 1)"
@@ -196,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="ranks for each resume (default: --nproc-per-node); a different value resumes at "
         "another data-parallel size (dp_reshardable, fully_reshardable, dp_zero_gather_scatter)",
+    )
+    ranks.add_argument(
+        "--gpus",
+        type=_parse_gpus,
+        help="comma-separated GPU indices every worker may use (sets CUDA_VISIBLE_DEVICES), "
+        "e.g. 2,3 to leave GPUs 0,1 to another run; default: all visible GPUs",
     )
     # Development only: lets the benchmark's mechanics be tested before the build exists.
     parser.add_argument(
@@ -250,10 +266,10 @@ def parse_layout(
 
 
 def _probe(workspace: Workspace, side: Side) -> dict[str, Any]:
-    outcome = run_worker(workspace, side, "probe", f"probe-{side.label}", None, 600.0)
-    if outcome.result is None:
+    outcome = run_phase(workspace, side, "probe", f"probe-{side.label}", None, 600.0)
+    if outcome.results[0] is None:
         raise SideError(f"probe of the {side.label} side failed; see {outcome.log}")
-    return outcome.result
+    return outcome.results[0]
 
 
 def _verify_sides(probes: dict[str, dict[str, Any]], dev_mode: bool) -> str | None:
@@ -280,21 +296,11 @@ def _verify_sides(probes: dict[str, dict[str, Any]], dev_mode: bool) -> str | No
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; see the module docstring for exit statuses."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    size = model_size(args)
-    layout = parse_layout(parser, args, size)
-    missing = check_cuda()
-    if missing is None and layout.is_multi_rank:
-        missing = check_gpu_count(max(layout.nproc_per_node, layout.resume_nproc_per_node))
-    if missing is not None:
-        eprint(cannot_run_message(missing))
-        return EXIT_CANNOT_RUN
+def _prepare_sides(
+    args: argparse.Namespace, workspace: Workspace
+) -> tuple[dict[str, Side], dict[str, dict[str, Any]]] | int:
+    """Both sides and their probes, or the exit status that ends the run."""
     cache_dir = args.cache_dir or default_cache_dir()
-    workspace = Workspace(args.work_dir or Path(tempfile.mkdtemp(prefix="resume-benchmark-")))
-    progress(f"workspace (logs, raw results): {workspace.root}")
     dev_mode = bool(args.allow_non_stateadoption_build)
     try:
         sides: dict[str, Side] = {"build": resolve_build(args.build, cache_dir)}
@@ -333,43 +339,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress(
             f"{label}: megatron-core {info['version']} from {info['file']} ({sides[label].source})"
         )
+    return sides, probes
 
-    started = time.perf_counter()
-    entries = []
-    for case in make_cases(args, size):
-        name = case.name
-        expected_files = {label: probes[label]["megatron_core"]["file"] for label in sides}
-        try:
-            if layout.is_multi_rank:
-                entry = run_multi_rank_case(
-                    workspace,
-                    case,
-                    sides,
-                    expected_files,
-                    args.checkpoint_root,
-                    args.worker_timeout,
-                    layout,
-                )
-            else:
-                entry = run_case(
-                    workspace,
-                    case,
-                    sides,
-                    expected_files,
-                    args.checkpoint_root,
-                    args.worker_timeout,
-                )
-            entries.append(entry)
-        except Exception as exc:  # noqa: BLE001 - one broken case must not hide the others
-            progress(f"{name}: driver error: {one_line(exc)}")
-            entries.append({"case": name, "status": "error", "detail": f"driver: {one_line(exc)}"})
-        progress(
-            f"{name}: {entries[-1]['status']}"
-            + (f" ({entries[-1]['detail']})" if entries[-1].get("detail") else "")
-        )
 
+def _run_one(run: CaseRun, case: BenchmarkCase) -> dict[str, Any]:
+    """One case's entry; a driver error becomes an ``error`` entry instead of ending the run."""
+    try:
+        entry = run_case(run, case)
+    except Exception as exc:  # noqa: BLE001 - one broken case must not hide the others
+        progress(f"{case.name}: driver error: {one_line(exc)}")
+        entry = {
+            "case": case.name,
+            "parallel": run.layout.to_json(),
+            "status": "error",
+            "detail": f"driver: {one_line(exc)}",
+        }
+    progress(f"{case.name}: {entry['status']}" + (f" ({entry['detail']})" if entry.get("detail") else ""))
+    return entry
+
+
+def _document(
+    args: argparse.Namespace,
+    size: ModelSize,
+    layout: ParallelLayout,
+    sides: dict[str, Side],
+    probes: dict[str, dict[str, Any]],
+    workspace: Workspace,
+    entries: list[dict[str, Any]],
+    wall_seconds: float,
+) -> dict[str, Any]:
+    """The JSON document of the run."""
     build_probe = probes["build"]
-    document = {
+    return {
         "environment": {
             "gpu_name": build_probe.get("gpu_name"),
             "driver": build_probe.get("driver"),
@@ -377,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch_cuda": build_probe.get("torch_cuda"),
             "transformer_engine": (build_probe.get("transformer_engine") or {}).get("version"),
             "python": build_probe.get("python"),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         },
         "sides": {
             label: {
@@ -395,14 +397,66 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seed": args.seed,
             "moe_fold_experts": args.moe_fold_experts,
             "cases": args.cases,
-            "dev_mode_build_is_not_stateadoption": dev_mode
+            "dev_mode_build_is_not_stateadoption": bool(args.allow_non_stateadoption_build)
             and not is_stateadoption_version(probes["build"]["megatron_core"]["version"]),
             "workspace": str(workspace.root),
-            "cases_wall_seconds": time.perf_counter() - started,
-            **({"parallel": layout.to_json()} if layout.is_multi_rank else {}),
+            "cases_wall_seconds": wall_seconds,
+            "parallel": layout.to_json(),
         },
         "cases": entries,
     }
+
+
+def _exit_status(check: bool, entries: list[dict[str, Any]]) -> int:
+    """:data:`EXIT_CRASH` if a case crashed; with ``check``, :data:`EXIT_EXPECTATION_MISSED`
+    (each reason printed) unless every case met its expectation; else :data:`EXIT_OK`."""
+    if any(e["status"] == "error" for e in entries):
+        for entry in entries:
+            if entry["status"] == "error":
+                eprint(f"resume_benchmark: {entry['case']} failed: {entry.get('detail')}")
+        return EXIT_CRASH
+    missed = [e for e in entries if not case_meets_expectations(e)]
+    if check and missed:
+        for entry in missed:
+            for reason in entry.get("failed_expectations") or [entry.get("detail")]:
+                eprint(f"resume_benchmark: --check: {entry['case']}: {reason}")
+        return EXIT_EXPECTATION_MISSED
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; see the module docstring for exit statuses."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    size = model_size(args)
+    layout = parse_layout(parser, args, size)
+    if args.gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus  # before CUDA is initialised here
+    missing = check_cuda()
+    if missing is None:
+        missing = check_gpu_count(layout.gpus_needed)
+    if missing is not None:
+        eprint(cannot_run_message(missing))
+        return EXIT_CANNOT_RUN
+    workspace = Workspace(args.work_dir or Path(tempfile.mkdtemp(prefix="resume-benchmark-")))
+    progress(f"workspace (logs, raw results): {workspace.root}")
+    prepared = _prepare_sides(args, workspace)
+    if isinstance(prepared, int):
+        return prepared
+    sides, probes = prepared
+    run = CaseRun(
+        workspace=workspace,
+        sides=sides,
+        expected_files={label: probes[label]["megatron_core"]["file"] for label in sides},
+        layout=layout,
+        checkpoint_root=args.checkpoint_root,
+        timeout_s=args.worker_timeout,
+    )
+    started = time.perf_counter()
+    entries = [_run_one(run, case) for case in make_cases(args, size)]
+    document = _document(
+        args, size, layout, sides, probes, workspace, entries, time.perf_counter() - started
+    )
     markdown = markdown_report(document)
     text = json_report(document)
     print(text, flush=True)
@@ -411,11 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.markdown_out.write_text(markdown)
     if args.json_out:
         args.json_out.write_text(text)
-    if any(e["status"] == "error" for e in entries):
-        return EXIT_CRASH
-    if args.check and not all(case_meets_expectations(e) for e in entries):
-        return EXIT_EXPECTATION_MISSED
-    return EXIT_OK
+    return _exit_status(args.check, entries)
 
 
 if __name__ == "__main__":

@@ -131,11 +131,13 @@ def worker_environment(side: Side, repo_root: Path) -> dict[str, str]:
     """Environment for a worker of ``side``: its directory first on ``PYTHONPATH``.
 
     The inherited ``PYTHONPATH`` follows (minus the repository root, whose ``megatron/`` source
-    tree must never shadow an installed ``megatron-core``).
+    tree must never shadow an installed ``megatron-core``). Everything else is inherited --
+    ``CUDA_VISIBLE_DEVICES`` too -- except a launcher's rank variables
+    (:data:`~.runtime.LAUNCHER_ENV_VARS`).
     """
-    from benchmarks.resume_benchmark.runtime import DETERMINISM_ENV
+    from benchmarks.resume_benchmark.runtime import DETERMINISM_ENV, LAUNCHER_ENV_VARS
 
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_VARS}
     inherited = [
         entry
         for entry in env.get("PYTHONPATH", "").split(os.pathsep)

@@ -8,10 +8,11 @@ Usage (the driver runs this; PYTHONPATH selects which ``megatron-core`` is impor
     python -m torch.distributed.run --standalone --nproc-per-node N \
         -m benchmarks.resume_benchmark.worker --phase resume --spec SPEC.json --result OUT.json
 
-A spec with a ``"parallel"`` layout (multi-rank runs only) makes every rank initialise NCCL from
-the ``torchrun`` environment with the layout's TP/EP sizes and write ``OUT.rank<r>.json``; it
-then also records its parallel coordinates and, for a resume at another data-parallel size, the
-DP-size-independent fingerprint of :mod:`.gathered`.
+Every rank (the only one of a plain process, or each rank of a ``torch.distributed.run``
+launch) initialises NCCL and Megatron's parallel state with the spec's ``parallel`` layout,
+measures and fingerprints its own shards and writes ``OUT.rank<r>.json``, recording its parallel
+coordinates and, for a resume at another data-parallel size, the DP-size-independent
+fingerprint of :mod:`.gathered`.
 
 Phases:
 
@@ -24,7 +25,7 @@ Phases:
   ``state_adoption`` (:mod:`.adoption`): the registered state adopters and which one installed
   each inner optimizer's state during the load (the loader logs on global rank 0 only).
 
-Each phase writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
+Each rank writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
 that cannot be saved is a result, not a failure), 1 when it failed (the result file then holds
 ``"error"``).
 """
@@ -54,7 +55,7 @@ from benchmarks.resume_benchmark.adoption import (
 from benchmarks.resume_benchmark.cases import BenchmarkCase
 from benchmarks.resume_benchmark.launch import ParallelLayout, rank_result_path
 from benchmarks.resume_benchmark.results import one_line, progress, read_json, write_json
-from benchmarks.resume_benchmark.runtime import apply_determinism_env, torchrun_rank
+from benchmarks.resume_benchmark.runtime import apply_determinism_env, launched_rank
 
 
 def megatron_core_info() -> dict[str, Any]:
@@ -151,15 +152,14 @@ def _step_json(result: Any) -> dict[str, Any]:
     }
 
 
-def _who(case: BenchmarkCase, label: str, layout: ParallelLayout | None) -> str:
-    """Progress-line prefix: ``case/side``, plus the rank in a multi-rank run."""
-    if layout is None:
-        return f"{case.name}/{label}"
-    return f"{case.name}/{label} rank {torchrun_rank()[0]}"
+def _who(case: BenchmarkCase, label: str) -> str:
+    """Progress-line prefix: ``case/side``, plus the rank when the launch has several."""
+    rank, world_size, _ = launched_rank()
+    return f"{case.name}/{label}" + (f" rank {rank}" if world_size > 1 else "")
 
 
 def _build(
-    case: BenchmarkCase, label: str, layout: ParallelLayout | None
+    case: BenchmarkCase, label: str, layout: ParallelLayout
 ) -> tuple[Any, Any, dict[str, Any]]:
     import torch  # noqa: F401  (before transformer_engine)
 
@@ -167,20 +167,23 @@ def _build(
         build_gpt_and_optimizer,
         inner_optimizer_class_names,
         model_parameter_count,
+        model_parameter_total,
         optimizer_parameter_count,
     )
 
-    who = _who(case, label, layout)
+    who = _who(case, label)
     started = time.perf_counter()
     model_chunks, optimizer = build_gpt_and_optimizer(case, layout)
     info: dict[str, Any] = {
-        "total_params": model_parameter_count(model_chunks),
+        "total_params": model_parameter_total(model_chunks),
+        "model_params_on_rank": model_parameter_count(model_chunks),
         "optimizer_params": optimizer_parameter_count(optimizer),
         "inner_optimizers": inner_optimizer_class_names(optimizer),
         "build_seconds": time.perf_counter() - started,
     }
     progress(
-        f"{who}: built GPT ({info['total_params']:,} params, "
+        f"{who}: built GPT ({info['total_params']:,} params in all, "
+        f"{info['model_params_on_rank']:,} on the rank, "
         f"{info['optimizer_params']:,} optimizer params on the rank, "
         f"{len(info['inner_optimizers'])} DistributedOptimizer(s), inner "
         f"{', '.join(sorted(set(info['inner_optimizers'])))})"
@@ -209,20 +212,16 @@ def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[s
     }
 
 
-def _rank_info(layout: ParallelLayout | None) -> dict[str, Any]:
-    """``{"rank": coordinates}`` in a multi-rank run; nothing on one rank (results as before)."""
-    if layout is None:
-        return {}
+def _rank_info() -> dict[str, Any]:
+    """``{"rank": coordinates}``: global rank, world size and Megatron's parallel ranks."""
     from benchmarks.resume_benchmark.runtime import rank_coordinates
 
     return {"rank": rank_coordinates()}
 
 
-def _gathered(
-    layout: ParallelLayout | None, model_chunks: Any, optimizer: Any
-) -> dict[str, str] | None:
+def _gathered(layout: ParallelLayout, model_chunks: Any, optimizer: Any) -> dict[str, str] | None:
     """The DP-size-independent fingerprint when the resume is resharded, else ``None``."""
-    if layout is None or not layout.resharded:
+    if not layout.resharded:
         return None
     from benchmarks.resume_benchmark.gathered import gathered_fingerprint
 
@@ -230,20 +229,20 @@ def _gathered(
 
 
 def run_train(
-    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout | None = None
+    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout
 ) -> dict[str, Any]:
-    """Train+save+control phase (see module docstring); ``layout``: multi-rank runs only."""
+    """Train+save+control phase of this rank (see module docstring)."""
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import save_checkpoint
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state
     from benchmarks.resume_benchmark.training import train_step
 
-    who = _who(case, label, layout)
+    who = _who(case, label)
     out: dict[str, Any] = {"phase": "train", "case": case.name, "side": label}
     out["megatron_core"] = megatron_core_info()
     model_chunks, optimizer, out["model"] = _build(case, label, layout)
-    out.update(_rank_info(layout))
+    out.update(_rank_info())
 
     gc.collect()
     torch.cuda.synchronize()
@@ -306,19 +305,19 @@ def run_train(
 
 
 def run_resume(
-    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout | None = None
+    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout
 ) -> dict[str, Any]:
-    """Resume phase (see module docstring); ``layout``: multi-rank runs only."""
+    """Resume phase of this rank (see module docstring)."""
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state
 
-    who = _who(case, label, layout)
+    who = _who(case, label)
     out: dict[str, Any] = {"phase": "resume", "case": case.name, "side": label}
     out["megatron_core"] = megatron_core_info()
     model_chunks, optimizer, out["model"] = _build(case, label, layout)
-    out.update(_rank_info(layout))
+    out.update(_rank_info())
     adopters = registered_adopter_names()  # loads plugin entry points before the measurement
 
     gc.collect()
@@ -373,7 +372,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--result",
         type=Path,
         required=True,
-        help="where to write the JSON result (multi-rank: each rank writes NAME.rank<r>.json)",
+        help="JSON result NAME.json; rank r writes NAME.rank<r>.json",
     )
     return parser.parse_args(argv)
 
@@ -382,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one phase; see the module docstring for exit statuses."""
     args = _parse_args(argv)
     apply_determinism_env()
+    result_path = rank_result_path(args.result, launched_rank()[0])
     if args.phase == "probe":
-        write_json(args.result, probe())
+        write_json(result_path, probe())
         return 0
     if args.spec is None:
         raise SystemExit("--spec is required for the train and resume phases")
@@ -391,10 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     case = BenchmarkCase.from_json(spec["case"])
     label = str(spec["side"])
     checkpoint_dir = Path(spec["checkpoint_dir"])
-    layout = ParallelLayout.from_json(spec["parallel"]) if "parallel" in spec else None
-    result_path = args.result
-    if layout is not None:
-        result_path = rank_result_path(args.result, torchrun_rank()[0])
+    layout = ParallelLayout.from_json(spec["parallel"])
     _configure_logging()
     status = 0
     try:
