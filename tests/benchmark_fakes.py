@@ -16,9 +16,10 @@ model:
   a scaffold pass and a payload pass, each reading the inner state dict and loading the
   assembled one -- with the build, through the real ``export_inner_optimizer_state_dict`` and
   ``load_inner_optimizer_state_dict``; with upstream (``megatron.core.optimizer.state_adoption``
-  not importable), through ``state_dict()`` and ``load_state_dict()`` themselves. Whenever the
-  inner optimizer allocates a copy of its moments (the stand-in counts it), the load peak
-  carries a second copy (8 B/param), as TE's loader does on a GPU;
+  not importable), through ``state_dict()`` and ``load_state_dict()`` themselves. Whenever an
+  inner optimizer allocates a copy of its moments (the stand-in counts it), that copy stays
+  alive next to the scaffold until the load ends (8 B/param more at the peak), as with TE's
+  loader on a GPU;
 * the parallel coordinates and the gathered (resharded) fingerprint.
 """
 
@@ -49,6 +50,8 @@ MOMENT_BYTES = 8
 #: of by-reference adoption, but not the peak of a second copy of the moments).
 ACTIVATION_BYTES = 4
 _CHECKPOINT_FILE = "fake-checkpoint.pt"
+#: Where the fake upstream side's megatron-core lives.
+UPSTREAM_FILE = "/upstream/megatron/core/__init__.py"
 _UNSAVEABLE = {"fully_sharded_model_space": "ShardedTensor.flattened_range is not supported."}
 
 
@@ -184,6 +187,7 @@ def _fake_load(model_chunks: Any, optimizer: Any, sharding_format: str, checkpoi
         for name, param in model_chunks[0].named_parameters():
             param.copy_(saved["model"][name])
     pairs = zip(model.distributed_optimizers(optimizer), saved["optimizers"], saved["main_params"])
+    copies = 0
     for dist_opt, state, main_params in pairs:
         inner = dist_opt.optimizer
         with torch.no_grad():
@@ -191,11 +195,13 @@ def _fake_load(model_chunks: Any, optimizer: Any, sharding_format: str, checkpoi
                 param.copy_(value)
         moments = MOMENT_BYTES * sum(p.numel() for g in inner.param_groups for p in g["params"])
         rank.device.allocate(moments)  # the scaffold: the state the checkpoint is read into
+        allocations = inner.allocations
         for offered in (_scaffold(state), state):
-            allocations = inner.allocations
             _inner_load(dist_opt, offered)
-            if inner.allocations > allocations:  # the loader copied: two copies coexisted
-                rank.device.transient(moments)
+        if inner.allocations > allocations:  # the loader copied: a second copy until the end
+            rank.device.allocate(moments)
+            copies += moments
+    rank.device.allocated -= copies  # the load's references are dropped
 
 
 class FakeWorld:
@@ -281,7 +287,7 @@ def split_params(total: int, world_size: int, chained: bool) -> tuple[int, ...]:
 
 
 def run_phases_in_process(
-    monkeypatch: pytest.MonkeyPatch, total_params: int = 8192
+    monkeypatch: pytest.MonkeyPatch, total_params: int = 1 << 19
 ) -> list[tuple[str, str, int]]:
     """Make the driver run every phase in this process: ``worker.main`` once per rank, as that
     rank, upstream without the state-adoption subsystem. Returns the log of launches
@@ -293,6 +299,12 @@ def run_phases_in_process(
 
     launches: list[tuple[str, str, int]] = []
     monkeypatch.setattr(worker, "_configure_logging", lambda: None)  # keep pytest's logging
+    build_info = worker.megatron_core_info
+
+    def upstream_info() -> dict[str, Any]:
+        """This venv's megatron-core as upstream sees it: the public release, elsewhere."""
+        info = build_info()
+        return {**info, "version": info["version"].split("+")[0], "file": UPSTREAM_FILE}
 
     def run_phase(
         workspace: Any, side: Any, phase: str, name: str, spec: Any, timeout_s: float, nproc: int = 1
@@ -314,6 +326,7 @@ def run_phases_in_process(
                 FAKE_WORLD.run_as(FakeRank(r, nproc, split_params(total_params, nproc, chained)), scoped)
                 if side.label == "upstream":
                     without_state_adoption(scoped)
+                    scoped.setattr(worker, "megatron_core_info", upstream_info)
                 returncode = max(returncode, worker.main(argv))
         paths = [rank_result_path(result, r) for r in range(nproc)]
         results = tuple(read_json(p) if p.is_file() else None for p in paths)

@@ -8,6 +8,7 @@ own ``load_state_dict``, whose copy of the moments the fake device counts.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,7 @@ from benchmark_fakes import (
     standin_is_te_fused_adam,
 )
 
-from benchmarks.resume_benchmark.adoption import registered_adopter_names
-from benchmarks.resume_benchmark.cases import PRESETS, extra_adopters, make_case
+from benchmarks.resume_benchmark.cases import PRESETS, make_case
 from benchmarks.resume_benchmark.driver import CaseRun, Workspace, run_case
 from benchmarks.resume_benchmark.launch import ParallelLayout
 from benchmarks.resume_benchmark.report import markdown_report
@@ -28,9 +28,6 @@ from benchmarks.resume_benchmark.sides import Side
 from benchmarks.resume_benchmark.summary import case_meets_expectations
 
 TINY = PRESETS["tiny"]
-#: Adopters beyond the build's default one that this environment registers (e.g. the example
-#: plugin, which CI installs): with them the saving is measured, not predicted.
-EXTRA_ADOPTERS = extra_adopters(registered_adopter_names())
 SIDES = {"upstream": Side("upstream", Path("/up"), "test"), "build": Side("build", None, "test")}
 
 
@@ -56,9 +53,8 @@ def test_story_meets_every_expectation_on_every_rank(
     assert fake_gpu == [("train", "build", nproc), ("resume", "upstream", nproc), ("resume", "build", nproc)]
     assert [r["rank"] for r in entry["ranks"]] == list(range(nproc))
     for rank in entry["ranks"]:
-        expected = None if EXTRA_ADOPTERS else 8 * rank["params_on_rank"]
-        assert rank["expected_bytes_avoided"] == expected
-        assert rank["bytes_avoided"] == 8 * rank["params_on_rank"]
+        assert rank["expected_bytes_avoided"] == 8 * rank["params_on_rank"]
+        assert rank["bytes_avoided"] == rank["expected_bytes_avoided"]
         assert rank["load_peak_within_training_peak"] and rank["all_bitwise_equal"]
     upstream = entry["rank_sides"]["upstream"]
     assert all(not s["load_peak_within_training_peak"] for s in upstream)  # TE's copy on top
@@ -147,3 +143,56 @@ def _document(entry: dict[str, Any]) -> dict[str, Any]:
     from test_benchmark_report import document
 
     return document([entry], ParallelLayout.from_json(entry["parallel"]))
+
+
+def _cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> tuple[int, dict[str, Any], str]:
+    """``python -m benchmarks.resume_benchmark`` on the fake GPU: exit status, JSON, Markdown."""
+    from benchmarks.resume_benchmark import cli
+
+    monkeypatch.setattr(cli, "check_cuda", lambda: None)
+    monkeypatch.setattr(cli, "check_gpu_count", lambda needed: None)
+    monkeypatch.setattr(cli, "check_transformer_engine", lambda probe: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # restored after the test
+    upstream = tmp_path / "site-upstream"
+    upstream.mkdir(exist_ok=True)
+    out = tmp_path / "out"
+    argv = ["--preset", "tiny", "--upstream", str(upstream), "--work-dir", str(tmp_path / "work"),
+            "--checkpoint-root", str(tmp_path / "ckpt"), "--json-out", f"{out}.json",
+            "--markdown-out", f"{out}.md", *extra]  # fmt: skip
+    status = cli.main(argv)
+    return status, json.loads(Path(f"{out}.json").read_text()), Path(f"{out}.md").read_text()
+
+
+def test_the_command_line_runs_and_checks_every_rank(
+    fake_gpu: list[tuple[str, str, int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status, doc, markdown = _cli(
+        tmp_path, monkeypatch, "--cases", "dp_reshardable,moe", "--nproc-per-node", "2",
+        "--gpus", "0,1", "--check",
+    )  # fmt: skip
+    assert status == 0, [c.get("failed_expectations") or c.get("detail") for c in doc["cases"]]
+    assert fake_gpu[:2] == [("probe", "build", 1), ("probe", "upstream", 1)]
+    assert doc["environment"]["cuda_visible_devices"] == "0,1"
+    assert doc["settings"]["parallel"]["nproc_per_node"] == 2
+    assert doc["sides"]["upstream"]["version"] == "0.19.2"
+    assert [c["status"] for c in doc["cases"]] == ["ok", "ok"]
+    assert "- total parameters: dp_reshardable [TP 1, EP 1, DP 2] 36, moe [TP 1, EP 1, DP 2] 36\n" in markdown
+    assert "| case | side | rank |" in markdown
+
+
+def test_check_fails_with_every_reason_when_the_build_does_not_adopt(
+    fake_gpu: list[tuple[str, str, int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", "1")  # the build's kill switch
+    status, doc, markdown = _cli(tmp_path, monkeypatch, "--cases", "dp_reshardable", "--check")
+    assert status == 4
+    (case,) = doc["cases"]
+    assert case["status"] == "ok" and len(case["failed_expectations"]) == 2
+    err = capsys.readouterr().err
+    assert "--check: dp_reshardable: rank 0: the build avoided 0.0 MiB at load versus upstream" in err
+    assert "--check: dp_reshardable: rank 0: the build's load peak" in err
+    assert "- **expectation missed** by dp_reshardable: rank 0:" in markdown
+    assert "own loader ×2" in markdown

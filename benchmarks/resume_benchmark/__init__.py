@@ -15,8 +15,8 @@ Layout (one concern per module):
   verdict (no torch import).
 * :mod:`.gathered` -- DP-size-independent fingerprint for a resume at another DP size.
 * :mod:`.worker` -- one phase (probe, train+save+control, resume) on one rank.
-* :mod:`.adoption` -- the registered state adopters and which one installed the state during a
-  resume's load (log records of the state-adoption loader; no torch import).
+* :mod:`.adoption` -- the registered state adopters and the structured outcome of every
+  state-adoption hook point during a resume's load, on every rank (no torch import).
 * :mod:`.cases` -- model sizes, presets and the measured cases (no torch import).
 * :mod:`.runtime` -- ``torch.distributed``/Megatron initialisation of a rank, and determinism.
 * :mod:`.model` -- :func:`~.model.build_gpt_and_optimizer`.

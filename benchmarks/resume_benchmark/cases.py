@@ -31,8 +31,9 @@ CASE_NAMES: Final[tuple[str, ...]] = (*SHARDING_FORMATS, MOE_CASE, PRECISION_AWA
 FP32_MOMENT_PAIR_BYTES: Final = 8
 
 #: The state adopters the ``+stateadoption`` build registers by itself (no plugin installed).
-#: The expected savings assume exactly these; any other one on the build side (an opt-in plugin
-#: such as ``te_fused_adam_precision_aware``) makes the saving measured, not predicted.
+#: The expected savings assume that only these handle the state; any other one that does on the
+#: build side (an opt-in plugin such as ``te_fused_adam_precision_aware`` in the precision-aware
+#: case) makes the saving measured, not predicted.
 DEFAULT_ADOPTERS: Final[tuple[str, ...]] = ("te_fused_adam_fp32",)
 
 
@@ -44,10 +45,12 @@ def extra_adopters(adopters: Iterable[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(a for a in adopters or () if a not in DEFAULT_ADOPTERS))
 
 
-def unpredicted_saving_note(extra: Iterable[str]) -> str:
-    """Why a case has no expected saving: the extra adopters on the build side."""
+def unpredicted_saving_note(extra: Iterable[str], handled: bool = True) -> str:
+    """Why a case has no expected saving: the extra adopters on the build side, which handled
+    the state (``handled``, per the recorded outcomes) or were registered there."""
+    how = "handled the state" if handled else "registered"
     return (
-        f"not predicted: adopters {', '.join(extra)} registered on the build side; "
+        f"not predicted: adopters {', '.join(extra)} {how} on the build side; "
         "the saving is measured, not predicted"
     )
 
@@ -141,9 +144,8 @@ class BenchmarkCase:
         return not self.precision_aware
 
     def expected_saving_given(self, build_adopters: Iterable[str] | None) -> int | None:
-        """:attr:`expected_saving_bytes_per_param` when the build side registered only
-        :data:`DEFAULT_ADOPTERS` (or did not record its adopters); None (not predicted) when it
-        registered others."""
+        """:attr:`expected_saving_bytes_per_param` when only :data:`DEFAULT_ADOPTERS` (or none
+        recorded) took part on the build side; None (not predicted) when others did."""
         if extra_adopters(build_adopters):
             return None
         return self.expected_saving_bytes_per_param

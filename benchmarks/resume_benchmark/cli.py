@@ -3,15 +3,17 @@
 For every case it trains a Megatron-Core GPT a few steps, saves a ``torch_dist`` checkpoint
 and resumes it twice in fresh processes -- with upstream megatron-core 0.19.2 and with this
 project's ``0.19.2+stateadoption`` build -- and reports the load peaks, the bytes the build
-avoids (expected: 8 B x optimizer parameters on the rank; not predicted when the build side
-registers state adopters besides ``te_fused_adam_fp32``), which adopter installed the state,
+avoids (expected: 8 B x optimizer parameters on the rank; not predicted when an adopter besides
+``te_fused_adam_fp32`` handles the state on the build side), which adopter installed the state
+on each rank,
 training peaks, load times and whether the restored state and the next step are bitwise
 identical to the uninterrupted run.
 
 Exit status: 0 all measurements ran; 1 a phase crashed; 2 this machine cannot run the
 benchmark (no CUDA GPU or no Transformer Engine); 3 the sides are wrong (the build is not the
 ``+stateadoption`` build, upstream is not 0.19.2, or both are the same); 4 with ``--check``,
-a case missed its expectation (saving or bitwise equality). Invalid flags (including a process
+a case missed its expectation on some rank (saving, load peak within the training peak, or
+bitwise equality). Invalid flags (including a process
 layout Megatron-Core cannot build) are usage errors, reported by argparse with status 2.
 
 Ranks (``--nproc-per-node N``, optionally ``--tensor-model-parallel-size``,
@@ -181,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="exit 4 unless every measured case shows the expected saving (where one is "
-        "predicted) and bitwise-identical restored state and next step",
+        help="exit 4 unless, on every rank, every measured case shows the expected saving "
+        "(where one is predicted), the build's load peak within its training peak (where "
+        "required) and bitwise-identical restored state and next step; prints each reason",
     )
     ranks = parser.add_argument_group("ranks (several: torch.distributed.run on this node)")
     ranks.add_argument(
@@ -333,6 +336,12 @@ def _prepare_sides(
             f"{banner}\nWARNING: development mode: the build side is megatron-core "
             f"{probes['build']['megatron_core']['version']} (not +stateadoption). The numbers "
             f"below test the benchmark's mechanics only.\n{banner}"
+        )
+    if not probes["build"]["megatron_core"].get("has_outcome_hooks"):
+        eprint(
+            "resume_benchmark: WARNING: the build side's megatron-core has no "
+            "register_outcome_hook, so no rank records which adopter installed the state "
+            "(the 'state installed by' column stays empty)"
         )
     for label in ("upstream", "build"):
         info = probes[label]["megatron_core"]

@@ -10,7 +10,8 @@ Pure Python (no torch). One rank is simply N = 1. The entry holds:
   its bitwise comparison, and its ``state_adoption`` record when its worker wrote one;
 * ``ranks``: per resume rank, the bytes the build avoided versus upstream on that rank and the
   expectation, 8 B x the optimizer parameters on that rank (``expected_bytes_avoided``; None
-  when the build side registers adopters besides the default ones: measured, not predicted);
+  when an adopter besides the default ones handled the state on the build side: measured, not
+  predicted);
 * the verdicts over all ranks (``bytes_avoided_as_expected``,
   ``load_peaks_within_training_peaks``, ``all_bitwise_equal``) and ``failed_expectations``, the
   reasons ``--check`` fails, one line per rank and check.
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from benchmarks.resume_benchmark.adoption import adopters_that_handled
 from benchmarks.resume_benchmark.cases import (
     BenchmarkCase,
     extra_adopters,
@@ -217,33 +219,23 @@ def _rank_sides(
     return sides
 
 
-def recorded_adopters(sides: Iterable[Mapping[str, Any]]) -> list[str] | None:
-    """Adopters registered on any of ``sides`` (e.g. every build rank), in order; None when
-    none of them recorded a list (no state-adoption subsystem)."""
-    names: dict[str, None] = {}
-    recorded = False
-    for side in sides:
-        adopters = (side.get("state_adoption") or {}).get("adopters")
-        if adopters is not None:
-            recorded = True
-            names.update(dict.fromkeys(adopters))
-    return list(names) if recorded else None
-
-
 def expectation_fields(
     case: BenchmarkCase, build_sides: Iterable[Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """The case's expected saving per parameter given the build side's registered adopters.
+    """The case's expected saving per parameter given what the build side's adopters did.
 
-    Only :data:`~.cases.DEFAULT_ADOPTERS` (or nothing recorded): the case's fixed expectation.
-    Others: ``None`` and a note saying the saving is measured, not predicted.
+    Only :data:`~.cases.DEFAULT_ADOPTERS` handled the state on every build rank (per the
+    recorded outcomes; a rank without outcomes counts every adopter it registered): the case's
+    fixed expectation. Any other adopter: ``None`` and a note saying the saving is measured,
+    not predicted.
     """
-    adopters = recorded_adopters(build_sides)
-    extra = extra_adopters(adopters)
+    records = [side.get("state_adoption") for side in build_sides]
+    extra = extra_adopters(adopters_that_handled(records))
+    outcomes = all((r or {}).get("outcomes") is not None for r in records)
     return {
-        "expected_saving_bytes_per_param": case.expected_saving_given(adopters),
+        "expected_saving_bytes_per_param": case.expected_saving_given(extra),
         "extra_adopters": list(extra),
-        "expected_saving_note": unpredicted_saving_note(extra) if extra else None,
+        "expected_saving_note": unpredicted_saving_note(extra, outcomes) if extra else None,
     }
 
 

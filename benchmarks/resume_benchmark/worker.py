@@ -22,8 +22,8 @@ Phases:
   ``torch_dist`` checkpoint, fingerprint the state, run step N+1 (the uninterrupted control).
 * ``resume``: build, load the checkpoint (timed; load peak over the pre-load baseline),
   fingerprint the restored state, run step N+1 (training peak, loss, fingerprint). Also records
-  ``state_adoption`` (:mod:`.adoption`): the registered state adopters and which one installed
-  each inner optimizer's state during the load (the loader logs on global rank 0 only).
+  ``state_adoption`` (:mod:`.adoption`): the registered state adopters and the structured
+  outcome of every state-adoption hook point during the load, on every rank.
 
 Each rank writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
 that cannot be saved is a result, not a failure), 1 when it failed (the result file then holds
@@ -48,8 +48,10 @@ from typing import Any
 
 from benchmarks.resume_benchmark.adoption import (
     adopters_text,
+    fallback_text,
+    has_outcome_hooks,
     installed_by_text,
-    recording_adoption_events,
+    recording_outcomes,
     registered_adopter_names,
 )
 from benchmarks.resume_benchmark.cases import BenchmarkCase
@@ -77,6 +79,7 @@ def megatron_core_info() -> dict[str, Any]:
         "file": str(core_file),
         "site": str(site_dir),
         "has_state_adoption": has_adoption,
+        "has_outcome_hooks": has_adoption and has_outcome_hooks(),
     }
 
 
@@ -326,7 +329,7 @@ def run_resume(
     baseline = torch.cuda.memory_allocated()
     progress(f"{who}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
     started = time.perf_counter()
-    with recording_adoption_events() as events:
+    with recording_outcomes() as outcomes:
         load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
@@ -338,10 +341,12 @@ def run_resume(
         "post_load_allocated_bytes": torch.cuda.memory_allocated(),
         "seconds": seconds,
     }
-    out["state_adoption"] = {"adopters": adopters, "events": events}
+    out["state_adoption"] = {"adopters": adopters, "outcomes": outcomes}
+    fallback = fallback_text(out["state_adoption"])
     progress(
         f"{who}: state adopters registered: {adopters_text(adopters)}; state installed by: "
-        f"{installed_by_text(out['state_adoption']) or 'nothing logged'}"
+        f"{installed_by_text(out['state_adoption']) or 'not recorded (no outcome hooks)'}"
+        + (f"; fallback: {fallback}" if fallback else "")
     )
     progress(
         f"{who}: loaded in {seconds:.2f} s; load peak {peak / 2**20:,.1f} MiB "
