@@ -287,11 +287,11 @@ def split_params(total: int, world_size: int, chained: bool) -> tuple[int, ...]:
 
 
 def run_phases_in_process(
-    monkeypatch: pytest.MonkeyPatch, total_params: int = 1 << 19
+    monkeypatch: pytest.MonkeyPatch, total_params: int = 1 << 19, upstream_version: str | None = None
 ) -> list[tuple[str, str, int]]:
     """Make the driver run every phase in this process: ``worker.main`` once per rank, as that
-    rank, upstream without the state-adoption subsystem. Returns the log of launches
-    ``(phase, side, nproc)``."""
+    rank; upstream without the state-adoption subsystem, reporting the build's public release
+    (or ``upstream_version``) installed elsewhere. Returns the launches ``(phase, side, nproc)``."""
     from benchmarks.resume_benchmark import cli, driver, worker
     from benchmarks.resume_benchmark.cases import BenchmarkCase
     from benchmarks.resume_benchmark.launch import rank_result_path
@@ -299,12 +299,6 @@ def run_phases_in_process(
 
     launches: list[tuple[str, str, int]] = []
     monkeypatch.setattr(worker, "_configure_logging", lambda: None)  # keep pytest's logging
-    build_info = worker.megatron_core_info
-
-    def upstream_info() -> dict[str, Any]:
-        """This venv's megatron-core as upstream sees it: the public release, elsewhere."""
-        info = build_info()
-        return {**info, "version": info["version"].split("+")[0], "file": UPSTREAM_FILE}
 
     def run_phase(
         workspace: Any, side: Any, phase: str, name: str, spec: Any, timeout_s: float, nproc: int = 1
@@ -320,6 +314,14 @@ def run_phases_in_process(
             argv += ["--spec", str(workspace.path(f"{name}.spec.json"))]
             case = BenchmarkCase.from_json(spec["case"])
             chained = case.moe and not case.moe_fold_experts
+        build_info = worker.megatron_core_info
+
+        def upstream_info() -> dict[str, Any]:
+            """The build's megatron-core as upstream shows it: its public release, elsewhere."""
+            info = build_info()
+            version = upstream_version or info["version"].split("+")[0]
+            return {**info, "version": version, "file": UPSTREAM_FILE}
+
         returncode = 0
         for r in range(nproc):
             with monkeypatch.context() as scoped:

@@ -1,4 +1,4 @@
-"""Checkpoint-resume memory benchmark: upstream megatron-core 0.19.2 vs. ``+stateadoption``.
+"""Checkpoint-resume memory benchmark: upstream megatron-core V vs. this ``V+stateadoption`` build.
 
 Run it from the repository root with ``python -m benchmarks.resume_benchmark --help``.
 
@@ -6,7 +6,8 @@ Layout (one concern per module):
 
 * :mod:`.cli` / :mod:`.__main__` -- command line and exit codes.
 * :mod:`.preflight` -- cheap checks (CUDA, Transformer Engine) before any heavy work.
-* :mod:`.sides` -- where each side's ``megatron-core`` comes from (directory, wheel, download).
+* :mod:`.sides` -- where each side's ``megatron-core`` comes from (directory, wheel, download)
+  and whether the two are comparable (build ``V+stateadoption``, upstream exactly ``V``).
 * :mod:`.driver` -- one case as one story: train+save+control, resume upstream, resume build,
   each phase a fresh launch on the layout's ranks; collects every rank's result.
 * :mod:`.launch` -- process layout (``--nproc-per-node``, TP, EP, resume DP size), its

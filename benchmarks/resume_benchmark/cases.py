@@ -10,7 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-#: Optimizer sharding formats Megatron-Core 0.19.2's DistributedOptimizer offers for ``torch_dist``.
+#: Optimizer sharding formats Megatron-Core's DistributedOptimizer offers for ``torch_dist``
+#: (the same in 0.16.1, 0.18.2 and 0.19.2).
 SHARDING_FORMATS: Final[tuple[str, ...]] = (
     "dp_reshardable",
     "fully_reshardable",

@@ -1,8 +1,9 @@
 """Command line of the resume benchmark (``python -m benchmarks.resume_benchmark``).
 
 For every case it trains a Megatron-Core GPT a few steps, saves a ``torch_dist`` checkpoint
-and resumes it twice in fresh processes -- with upstream megatron-core 0.19.2 and with this
-project's ``0.19.2+stateadoption`` build -- and reports the load peaks, the bytes the build
+and resumes it twice in fresh processes -- with this project's ``V+stateadoption`` build and
+with upstream megatron-core V (any release V the build is made from, e.g. 0.16.1, 0.18.2,
+0.19.2) -- and reports the load peaks, the bytes the build
 avoids (expected: 8 B x optimizer parameters on the rank; not predicted when an adopter besides
 ``te_fused_adam_fp32`` handles the state on the build side), which adopter installed the state
 on each rank,
@@ -11,7 +12,7 @@ identical to the uninterrupted run.
 
 Exit status: 0 all measurements ran; 1 a phase crashed; 2 this machine cannot run the
 benchmark (no CUDA GPU or no Transformer Engine); 3 the sides are wrong (the build is not the
-``+stateadoption`` build, upstream is not 0.19.2, or both are the same); 4 with ``--check``,
+``V+stateadoption`` build, upstream is not exactly V, or both are the same); 4 with ``--check``,
 a case missed its expectation on some rank (saving, load peak within the training peak, or
 bitwise equality). Invalid flags (including a process
 layout Megatron-Core cannot build) are usage errors, reported by argparse with status 2.
@@ -55,13 +56,14 @@ from benchmarks.resume_benchmark.preflight import (
 from benchmarks.resume_benchmark.report import json_report, markdown_report
 from benchmarks.resume_benchmark.results import eprint, one_line, progress
 from benchmarks.resume_benchmark.sides import (
-    UPSTREAM_VERSION,
     Side,
     SideError,
+    build_release,
     default_cache_dir,
-    is_stateadoption_version,
+    public_release,
     resolve_build,
     resolve_upstream,
+    sides_problem,
 )
 from benchmarks.resume_benchmark.summary import case_meets_expectations
 
@@ -149,14 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--upstream",
         type=Path,
-        help="upstream megatron-core 0.19.2: a directory for PYTHONPATH or a .whl "
-        "(installed with pip --no-deps --target); default: pip download it",
+        help="upstream megatron-core V, the release the build V+stateadoption is made from: a "
+        "directory for PYTHONPATH or a .whl (installed with pip --no-deps --target); "
+        "default: pip download megatron-core==V",
     )
     parser.add_argument(
         "--build",
         type=Path,
         help="this build: a directory for PYTHONPATH or a .whl; default: the current "
-        "environment's megatron-core (must be the +stateadoption build)",
+        "environment's megatron-core (must be a V+stateadoption build)",
     )
     parser.add_argument(
         "--cache-dir",
@@ -275,30 +278,6 @@ def _probe(workspace: Workspace, side: Side) -> dict[str, Any]:
     return outcome.results[0]
 
 
-def _verify_sides(probes: dict[str, dict[str, Any]], dev_mode: bool) -> str | None:
-    """``None`` if upstream is 0.19.2 and the build is a different, +stateadoption megatron-core."""
-    up, build = probes["upstream"]["megatron_core"], probes["build"]["megatron_core"]
-    for label, info in (("upstream", up), ("build", build)):
-        if info.get("error"):
-            return f"the {label} side cannot import megatron.core ({info['error']})"
-    if up["version"] != UPSTREAM_VERSION or up["has_state_adoption"]:
-        return (
-            f"the upstream side must be plain megatron-core {UPSTREAM_VERSION}; it is "
-            f"{up['version']} at {up['file']} (state_adoption present: {up['has_state_adoption']})"
-        )
-    if dev_mode:
-        return None
-    if not (is_stateadoption_version(build["version"]) and build["has_state_adoption"]):
-        return (
-            f"the build side is megatron-core {build['version']} at {build['file']}, not the "
-            f"{UPSTREAM_VERSION}+stateadoption build (state_adoption present: "
-            f"{build['has_state_adoption']}); pass --build DIR|WHEEL or install the build"
-        )
-    if up["file"] == build["file"]:
-        return f"both sides import the same megatron.core ({up['file']})"
-    return None
-
-
 def _prepare_sides(
     args: argparse.Namespace, workspace: Workspace
 ) -> tuple[dict[str, Side], dict[str, dict[str, Any]]] | int:
@@ -313,24 +292,28 @@ def _prepare_sides(
             eprint(cannot_run_message(missing))
             return EXIT_CANNOT_RUN
         build_info = probes["build"]["megatron_core"]
-        if not dev_mode and not is_stateadoption_version(build_info.get("version")):
+        release = build_release(build_info.get("version"))
+        if release is None and not dev_mode:
             eprint(
                 f"resume_benchmark: refusing to run: the build side's megatron-core is "
-                f"{build_info.get('version')} at {build_info.get('file')}, not the "
-                f"{UPSTREAM_VERSION}+stateadoption build; "
-                "pass --build DIR|WHEEL or install the build."
+                f"{build_info.get('version')} at {build_info.get('file')}, not a "
+                "V+stateadoption build; pass --build DIR|WHEEL or install the build."
             )
             return EXIT_WRONG_SIDES
-        sides["upstream"] = resolve_upstream(args.upstream, cache_dir)
+        release = release or public_release(build_info.get("version")) or "unknown"
+        progress(f"build side: megatron-core {build_info.get('version')}; upstream must be {release}")
+        sides["upstream"] = resolve_upstream(args.upstream, cache_dir, release)
         probes["upstream"] = _probe(workspace, sides["upstream"])
     except SideError as exc:
         eprint(f"resume_benchmark: {exc}")
         return EXIT_CRASH
-    problem = _verify_sides(probes, dev_mode)
+    problem = sides_problem(
+        probes["upstream"]["megatron_core"], probes["build"]["megatron_core"], dev_mode
+    )
     if problem is not None:
         eprint(f"resume_benchmark: refusing to run: {problem}")
         return EXIT_WRONG_SIDES
-    if dev_mode and not is_stateadoption_version(probes["build"]["megatron_core"]["version"]):
+    if dev_mode and build_release(probes["build"]["megatron_core"]["version"]) is None:
         banner = "!" * 100
         eprint(
             f"{banner}\nWARNING: development mode: the build side is megatron-core "
@@ -407,7 +390,7 @@ def _document(
             "moe_fold_experts": args.moe_fold_experts,
             "cases": args.cases,
             "dev_mode_build_is_not_stateadoption": bool(args.allow_non_stateadoption_build)
-            and not is_stateadoption_version(probes["build"]["megatron_core"]["version"]),
+            and build_release(probes["build"]["megatron_core"]["version"]) is None,
             "workspace": str(workspace.root),
             "cases_wall_seconds": wall_seconds,
             "parallel": layout.to_json(),

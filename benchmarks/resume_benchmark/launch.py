@@ -30,8 +30,9 @@ RANK_LINE_PREFIX_TEMPLATE: Final = "[rank${rank}]: "
 #: Matches that prefix; group 1 is the global rank.
 RANK_LINE_PREFIX: Final = re.compile(r"^\[rank(\d+)\]: ")
 
-#: Sharding formats whose ``torch_dist`` checkpoint Megatron-Core 0.19.2 can load at another
-#: data-parallel size (see docs/multi-gpu.md for the code paths this is read from):
+#: Sharding formats whose ``torch_dist`` checkpoint Megatron-Core can load at another
+#: data-parallel size (read from 0.19.2, see docs/multi-gpu.md; 0.16.1 and 0.18.2 have the same
+#: formats and load branches):
 #:
 #: * ``fully_reshardable``: model-space tensors, every rank loads and slices its range
 #:   (``DistributedOptimizer.checkpoint_fully_reshardable_formats``; TP/PP may change too);
@@ -46,8 +47,8 @@ DP_RESHARDABLE_FORMATS: Final[frozenset[str]] = frozenset(
 #: Why the remaining format is refused for a resume at another DP size.
 _NOT_DP_RESHARDABLE_WHY: Final[Mapping[str, str]] = {
     "fully_sharded_model_space": "megatron-core 0.19.2 cannot save it at all "
-    "(CheckpointingException: ShardedTensor.flattened_range is not supported), so there is "
-    "no checkpoint to reshard",
+    "(CheckpointingException: ShardedTensor.flattened_range is not supported; 0.16.1 and "
+    "0.18.2 have the same check), so there is no checkpoint to reshard",
 }
 
 
