@@ -28,6 +28,11 @@ PRECISION_AWARE_CASE: Final = "precision_aware_bf16"
 #: Every case, in the order they run by default.
 CASE_NAMES: Final[tuple[str, ...]] = (*SHARDING_FORMATS, MOE_CASE, PRECISION_AWARE_CASE)
 
+#: Instance-level loaders a resume can run with (:mod:`.instance_loader`): ``bridge-like`` sets,
+#: on each inner FusedAdam, a ``load_state_dict`` that runs PyTorch's loader only.
+BRIDGE_LIKE: Final = "bridge-like"
+INSTANCE_LOADERS: Final[tuple[str, ...]] = (BRIDGE_LIKE,)
+
 #: One FP32 ``exp_avg`` plus one FP32 ``exp_avg_sq`` element: what the build avoids per parameter.
 FP32_MOMENT_PAIR_BYTES: Final = 8
 
@@ -129,11 +134,18 @@ class BenchmarkCase:
     train_steps: int = 2
     seed: int = 1234
     moe_fold_experts: bool = False
+    instance_loader: str | None = None
 
     @property
     def expected_saving_bytes_per_param(self) -> int:
-        """Bytes per optimizer parameter the build should avoid versus upstream at load time."""
-        return 0 if self.precision_aware else FP32_MOMENT_PAIR_BYTES
+        """Bytes per optimizer parameter the build should avoid versus upstream at load time.
+
+        0 for the precision-aware fallback, and with an instance-level loader, which installs
+        the moments by reference on both sides.
+        """
+        if self.precision_aware or self.instance_loader is not None:
+            return 0
+        return FP32_MOMENT_PAIR_BYTES
 
     @property
     def load_peak_within_training_peak_expected(self) -> bool:
@@ -169,26 +181,28 @@ def make_case(
     train_steps: int = 2,
     seed: int = 1234,
     moe_fold_experts: bool = False,
+    instance_loader: str | None = None,
 ) -> BenchmarkCase:
     """Build the :class:`BenchmarkCase` called ``name`` (one of :data:`CASE_NAMES`).
 
     ``moe_fold_experts`` (moe case only) keeps experts in the dense DistributedOptimizer, as
     Megatron-Core does by default on one rank, instead of a separate expert optimizer.
+    ``instance_loader`` (one of :data:`INSTANCE_LOADERS`) resumes with an instance-level
+    ``load_state_dict`` on every inner FusedAdam.
     """
-    if name in SHARDING_FORMATS:
-        return BenchmarkCase(name, name, size, train_steps=train_steps, seed=seed)
+    formats = {MOE_CASE: "dp_reshardable", PRECISION_AWARE_CASE: "dp_reshardable"}
+    if name not in SHARDING_FORMATS and name not in formats:
+        raise ValueError(f"unknown case {name!r}; expected one of {', '.join(CASE_NAMES)}")
+    case = BenchmarkCase(
+        name,
+        formats.get(name, name),
+        size,
+        train_steps=train_steps,
+        seed=seed,
+        instance_loader=instance_loader,
+    )
     if name == MOE_CASE:
-        return BenchmarkCase(
-            name,
-            "dp_reshardable",
-            size,
-            moe=True,
-            train_steps=train_steps,
-            seed=seed,
-            moe_fold_experts=moe_fold_experts,
-        )
+        return dataclasses.replace(case, moe=True, moe_fold_experts=moe_fold_experts)
     if name == PRECISION_AWARE_CASE:
-        return BenchmarkCase(
-            name, "dp_reshardable", size, precision_aware=True, train_steps=train_steps, seed=seed
-        )
-    raise ValueError(f"unknown case {name!r}; expected one of {', '.join(CASE_NAMES)}")
+        return dataclasses.replace(case, precision_aware=True)
+    return case

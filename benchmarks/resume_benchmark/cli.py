@@ -39,6 +39,7 @@ from typing import Any
 
 from benchmarks.resume_benchmark.cases import (
     CASE_NAMES,
+    INSTANCE_LOADERS,
     PRESETS,
     BenchmarkCase,
     ModelSize,
@@ -145,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         "one-rank default) instead of a ChainedOptimizer of dense + expert",
     )
     parser.add_argument(
+        "--instance-loader",
+        choices=INSTANCE_LOADERS,
+        help="resume with an instance-level load_state_dict on every inner FusedAdam (both "
+        "sides), as Megatron-Bridge's loading context sets one: 'bridge-like' runs PyTorch's "
+        "loader only; the build must decline adoption and call it once per load; expected "
+        "saving 0 (both sides load by reference). Not with precision_aware_bf16",
+    )
+    parser.add_argument(
         "--train-steps", type=int, default=2, help="steps before the save (default 2)"
     )
     parser.add_argument("--seed", type=int, default=1234)
@@ -249,6 +258,7 @@ def make_cases(args: argparse.Namespace, size: ModelSize) -> list[BenchmarkCase]
             train_steps=args.train_steps,
             seed=args.seed,
             moe_fold_experts=args.moe_fold_experts,
+            instance_loader=args.instance_loader,
         )
         for name in args.cases
     ]
@@ -388,6 +398,7 @@ def _document(
             "train_steps": args.train_steps,
             "seed": args.seed,
             "moe_fold_experts": args.moe_fold_experts,
+            "instance_loader": args.instance_loader,
             "cases": args.cases,
             "dev_mode_build_is_not_stateadoption": bool(args.allow_non_stateadoption_build)
             and build_release(probes["build"]["megatron_core"]["version"]) is None,

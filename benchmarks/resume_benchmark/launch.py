@@ -173,6 +173,13 @@ def _check_cases(layout: ParallelLayout, cases: Sequence[BenchmarkCase]) -> None
     if layout.resharded:
         for case in cases:
             refuse_dp_resharding(case.sharding_format, case.name)
+    with_loader = [c.name for c in cases if c.instance_loader is not None and c.precision_aware]
+    if with_loader:
+        raise LayoutError(
+            f"--instance-loader emulates a loader for FusedAdam with FP32 moments; drop "
+            f"{', '.join(with_loader)} from --cases (PyTorch's loader alone would not convert "
+            "its BF16 moments)"
+        )
 
 
 def refuse_dp_resharding(sharding_format: str, case_name: str) -> None:

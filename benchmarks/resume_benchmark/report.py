@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.resume_benchmark.adoption import adopters_text, installed_by_text
+from benchmarks.resume_benchmark.adoption import adopters_text, installed_by_text, load_outcomes
 from benchmarks.resume_benchmark.launch import ParallelLayout
 from benchmarks.resume_benchmark.legacy import current_entry
 
@@ -79,11 +79,15 @@ def _layout_text(entry: Mapping[str, Any]) -> str:
 
 
 def _case_name(entry: Mapping[str, Any]) -> str:
-    """The case cell: name, DistributedOptimizer count when chained, layout on several ranks."""
-    name = str(entry["case"])
+    """The case cell: name, DistributedOptimizer count when chained, the instance-level loader
+    when one was installed, layout on several ranks."""
+    notes = []
     optimizers = len(entry.get("inner_optimizers") or [])
     if optimizers > 1:
-        name = f"{name} ({optimizers} DistributedOptimizers)"
+        notes.append(f"{optimizers} DistributedOptimizers")
+    if entry.get("instance_loader"):
+        notes.append(f"{entry['instance_loader']} instance loader")
+    name = str(entry["case"]) + (f" ({', '.join(notes)})" if notes else "")
     return name + _layout_text(entry)
 
 
@@ -148,8 +152,9 @@ def _side_row(
             _NEXT: _yes(side["next_step_equal"]) + equal_notes[1],
         }
     )
-    if "state_adoption" in side:
-        row[_INSTALLED] = installed_by_text(side["state_adoption"]) or _DASH
+    calls = side["instance_loader"]["calls"] if "instance_loader" in side else None
+    if "state_adoption" in side or calls is not None:
+        row[_INSTALLED] = installed_by_text(side.get("state_adoption"), calls) or _DASH
     if "load_peak_within_training_peak" in side:
         row[_WITHIN] = _yes(side["load_peak_within_training_peak"])
     return row
@@ -217,6 +222,25 @@ def _adoption_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
         if entry.get("expected_saving_note"):
             notes.setdefault(entry["expected_saving_note"], []).append(entry["case"])
     lines += [f"- expected saving of {', '.join(c)}: {note}." for note, c in notes.items()]
+    return lines
+
+
+def _instance_loader_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the instance-level loader was, and why the build's adopters declined it."""
+    lines = []
+    for entry in cases:
+        if not entry.get("instance_loader"):
+            continue
+        builds = [s for label, s in _resume_sides(entry) if label == "build"]
+        reasons = sorted(
+            {f"{name}: {reason}" for side in builds for o in load_outcomes(side.get("state_adoption"))
+             for name, reason in o.get("declines") or []}
+        )  # fmt: skip
+        lines.append(
+            f"- {_case_name(entry)}: a {entry['instance_loader']} instance-level load_state_dict "
+            "(PyTorch's loader only) was set on every inner FusedAdam for each resume's load, both "
+            "sides; build declines: " + ("; ".join(reasons) or "none recorded")
+        )
     return lines
 
 
@@ -303,6 +327,7 @@ def markdown_report(document: Mapping[str, Any]) -> str:
             "- **WARNING: development mode -- the build side is NOT the +stateadoption build; "
             "the comparison measures nothing about the product.**"
         )
+    lines += _instance_loader_lines(cases)
     lines += _check_lines(cases)
     lines += _table(cases)
     lines.append("")

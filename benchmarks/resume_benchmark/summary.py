@@ -14,7 +14,8 @@ Pure Python (no torch). One rank is simply N = 1. The entry holds:
   predicted);
 * the verdicts over all ranks (``bytes_avoided_as_expected``,
   ``load_peaks_within_training_peaks``, ``all_bitwise_equal``) and ``failed_expectations``, the
-  reasons ``--check`` fails, one line per rank and check.
+  reasons ``--check`` fails, one line per rank and check (with an instance-level loader, also
+  whether it ran on every rank and, on the build, once per load in place of any adopter).
 
 Same data-parallel size: rank ``r`` of each resume is compared with rank ``r`` of the control
 (same shards). Another data-parallel size: the restored state is compared through the
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from benchmarks.resume_benchmark.adoption import adopters_that_handled
+from benchmarks.resume_benchmark.adoption import adopters_that_handled, load_outcomes
 from benchmarks.resume_benchmark.cases import (
     BenchmarkCase,
     extra_adopters,
@@ -56,6 +57,7 @@ def case_header(case: BenchmarkCase, layout: ParallelLayout) -> dict[str, Any]:
         "sharding_format": case.sharding_format,
         "moe": case.moe,
         "precision_aware": case.precision_aware,
+        "instance_loader": case.instance_loader,
         "expected_saving_bytes_per_param": case.expected_saving_bytes_per_param,
         "parallel": layout.to_json(),
     }
@@ -99,12 +101,12 @@ def resume_measurements(result: Result) -> dict[str, Any]:
 
     The load peak over the pre-load baseline, per optimizer parameter on the rank; whether the
     load peak stayed within the training peak of the same process (step N+1); times; and the
-    worker's ``state_adoption`` record when it has one.
+    worker's ``state_adoption`` and ``instance_loader`` records when it has them.
     """
     load = result["load"]
     params = int(result["model"]["optimizer_params"])
     over = load["peak_bytes"] - load["baseline_bytes"]
-    adoption = {"state_adoption": result["state_adoption"]} if "state_adoption" in result else {}
+    recorded = {k: result[k] for k in ("state_adoption", "instance_loader") if k in result}
     return {
         "megatron_core": result["megatron_core"],
         "params_on_rank": params,
@@ -117,7 +119,7 @@ def resume_measurements(result: Result) -> dict[str, Any]:
         "next_step_peak_bytes": result["next_step"]["peak_bytes"],
         "load_peak_within_training_peak": load["peak_bytes"] <= result["next_step"]["peak_bytes"],
         "next_step_loss": result["next_step"]["loss"],
-        **adoption,
+        **recorded,
     }
 
 
@@ -284,12 +286,39 @@ def _rank_records(
     return records
 
 
+def instance_loader_problems(label: str, side: Mapping[str, Any]) -> list[str]:
+    """Why one resume rank did not run as an instance-level loader requires (empty: it did).
+
+    The loader must have run. On the build, every inner ``load_state_dict`` call must have
+    fallen back (no adopter stands in for an instance's own method) and called it exactly once.
+    """
+    calls = (side.get("instance_loader") or {}).get("calls", 0)
+    if label != "build":
+        return [] if calls else [f"{label}'s instance loader never ran"]
+    outcomes = (side.get("state_adoption") or {}).get("outcomes")
+    if outcomes is None:
+        return ["the build recorded no outcomes, so its instance-loader path cannot be verified"]
+    loads = load_outcomes(side["state_adoption"])
+    adopted = sorted({str(o["adopter"]) for o in loads if o.get("adopter")})
+    problems = [f"adopter {name} installed the state over the instance loader" for name in adopted]
+    fallbacks = len(loads) - sum(1 for o in loads if o.get("adopter"))
+    if not loads or calls != fallbacks:
+        problems.append(
+            f"the build's instance loader ran ×{calls} for {fallbacks} load fallback(s) "
+            "(expected exactly once each, at least once)"
+        )
+    return problems
+
+
 def _mib(value: float) -> str:
     return f"{value / _MIB:,.1f} MiB"
 
 
 def _rank_failures(
-    record: Mapping[str, Any], pair: Mapping[str, Mapping[str, Any]], peak_required: bool
+    record: Mapping[str, Any],
+    pair: Mapping[str, Mapping[str, Any]],
+    peak_required: bool,
+    instance_loader: bool,
 ) -> list[str]:
     """Why one resume rank misses the expectation (empty: it meets it)."""
     r = record["rank"]
@@ -312,6 +341,8 @@ def _rank_failures(
             failures.append(f"rank {r}: {label}'s restored state is not bitwise equal")
         if side["next_step_equal"] is False:
             failures.append(f"rank {r}: {label}'s step N+1 is not bitwise equal")
+        if instance_loader:
+            failures += [f"rank {r}: {p}" for p in instance_loader_problems(label, side)]
     return failures
 
 
@@ -366,7 +397,10 @@ def summarize_case(
             failure
             for r in ranks
             for failure in _rank_failures(
-                r, {label: sides[label][r["rank"]] for label in RESUME_SIDES}, peak_required
+                r,
+                {label: sides[label][r["rank"]] for label in RESUME_SIDES},
+                peak_required,
+                case.instance_loader is not None,
             )
         ],
     )

@@ -23,7 +23,9 @@ Phases:
 * ``resume``: build, load the checkpoint (timed; load peak over the pre-load baseline),
   fingerprint the restored state, run step N+1 (training peak, loss, fingerprint). Also records
   ``state_adoption`` (:mod:`.adoption`): the registered state adopters and the structured
-  outcome of every state-adoption hook point during the load, on every rank.
+  outcome of every state-adoption hook point during the load, on every rank; with
+  ``case.instance_loader``, an instance-level ``load_state_dict`` is set on every inner
+  optimizer for the load (:mod:`.instance_loader`) and how often it ran is recorded.
 
 Each rank writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
 that cannot be saved is a result, not a failure), 1 when it failed (the result file then holds
@@ -315,6 +317,8 @@ def run_resume(
 
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state
+    from benchmarks.resume_benchmark.instance_loader import installed_instance_loaders
+    from benchmarks.resume_benchmark.model import inner_optimizers
 
     who = _who(case, label)
     out: dict[str, Any] = {"phase": "resume", "case": case.name, "side": label}
@@ -328,11 +332,12 @@ def run_resume(
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
     progress(f"{who}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
-    started = time.perf_counter()
-    with recording_outcomes() as outcomes:
-        load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
+    with installed_instance_loaders(case.instance_loader, inner_optimizers(optimizer)) as loaders:
+        started = time.perf_counter()
+        with recording_outcomes() as outcomes:
+            load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated()
     gc.collect()
     out["load"] = {
@@ -342,10 +347,15 @@ def run_resume(
         "seconds": seconds,
     }
     out["state_adoption"] = {"adopters": adopters, "outcomes": outcomes}
+    calls = None
+    if loaders is not None:
+        out["instance_loader"] = loaders.to_json()
+        calls = out["instance_loader"]["calls"]
     fallback = fallback_text(out["state_adoption"])
+    installed = installed_by_text(out["state_adoption"], calls)
     progress(
         f"{who}: state adopters registered: {adopters_text(adopters)}; state installed by: "
-        f"{installed_by_text(out['state_adoption']) or 'not recorded (no outcome hooks)'}"
+        f"{installed or 'not recorded (no outcome hooks)'}"
         + (f"; fallback: {fallback}" if fallback else "")
     )
     progress(
