@@ -95,13 +95,27 @@ class ModelSize:
         return self.num_layers * layer + embeddings + self.vocab_size * h + 2 * h
 
 
-#: Named size presets. ``default`` is a ~1.1 B-parameter GPT (training peak ~20 GB on an H200).
+#: Named size presets. ``default`` is a ~1.1 B-parameter GPT (training peak ~23 GB on an H200);
+#: ``small`` (~0.26 B) keeps several cases of a multi-GPU layout within one 10-minute call while
+#: 8 B x params on a rank stays far above the 1 MiB tolerance; ``tiny`` is for smoke runs and
+#: tests (its saving is too small for ``--check``'s +-1 %).
 PRESETS: Final[Mapping[str, ModelSize]] = {
     "default": ModelSize(
         hidden_size=2048,
         num_layers=18,
         num_attention_heads=16,
         ffn_hidden_size=8192,
+        seq_length=1024,
+        micro_batch_size=2,
+        vocab_size=50304,
+        num_experts=8,
+        moe_router_topk=2,
+    ),
+    "small": ModelSize(
+        hidden_size=1024,
+        num_layers=12,
+        num_attention_heads=16,
+        ffn_hidden_size=4096,
         seq_length=1024,
         micro_batch_size=2,
         vocab_size=50304,

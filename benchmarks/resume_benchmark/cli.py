@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         default="default",
-        help="model size preset (default: ~1.1 B parameters; 'tiny' for smoke tests)",
+        help="model size preset (default: ~1.1 B parameters; 'small': ~0.26 B, for multi-GPU "
+        "layouts; 'tiny' for smoke tests, too small for --check)",
     )
     sizes = parser.add_argument_group("model size (override the preset)")
     sizes.add_argument("--hidden-size", type=int)
