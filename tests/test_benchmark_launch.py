@@ -279,3 +279,45 @@ def test_cli_gpus_flag() -> None:
     for bad in ("a", "1,1", ""):
         with pytest.raises(SystemExit):
             parser.parse_args(["--gpus", bad])
+
+
+def test_sigterm_to_the_driver_kills_the_running_launch(tmp_path: Path) -> None:
+    """``timeout`` signals only the driver: the launch it started in its own session must not
+    outlive it (orphaned ranks would hold GPUs into the next device call)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    script = (
+        "import signal, sys\n"
+        "from pathlib import Path\n"
+        "from benchmarks.resume_benchmark import cli\n"
+        "from benchmarks.resume_benchmark.driver import Workspace, run_phase\n"
+        "from benchmarks.resume_benchmark.sides import Side\n"
+        "signal.signal(signal.SIGTERM, cli._exit_on_sigterm)\n"
+        f"run_phase(Workspace(Path({str(tmp_path)!r})), Side('build', None, 't'), 'probe', 'p', None, 300.0, 2)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], cwd=repo)
+    log = tmp_path / "p.log"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "torch.distributed.run" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.2)
+    time.sleep(1.0)  # the launcher has started its ranks
+    launched = subprocess.run(["pgrep", "-f", str(tmp_path / "p.result.json")], capture_output=True, text=True)
+    assert launched.stdout.split(), "the launch did not start"
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+    time.sleep(1.0)
+    survivors = [int(p) for p in launched.stdout.split() if _alive(int(p))]
+    assert survivors == [], f"processes outlived the driver: {survivors}"
+    assert os.path.exists(log)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

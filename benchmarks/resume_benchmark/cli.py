@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -428,8 +429,15 @@ def _exit_status(check: bool, entries: list[dict[str, Any]]) -> int:
     return EXIT_OK
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (e.g. from ``timeout``) ends the run like Ctrl-C: the running phase's process
+    group (its own session) is killed on the way out instead of outliving the driver."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; see the module docstring for exit statuses."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = build_parser()
     args = parser.parse_args(argv)
     size = model_size(args)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
