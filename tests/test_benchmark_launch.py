@@ -118,7 +118,6 @@ def test_phase_nproc_and_single_rank_default() -> None:
     assert ParallelLayout.from_json(layout.to_json()) == layout
     assert layout.to_json()["data_parallel_size"] == 8
     assert ParallelLayout(4, 2, 1, 4).to_json()["data_parallel_size"] == 2
-    assert ParallelLayout(4, 1, 2, 4).expert_data_parallel_size(4) == 2
 
 
 # --------------------------------------------------------------------------- validation

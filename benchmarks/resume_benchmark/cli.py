@@ -1,28 +1,19 @@
 """Command line of the resume benchmark (``python -m benchmarks.resume_benchmark``).
 
-For every case it trains a Megatron-Core GPT a few steps, saves a ``torch_dist`` checkpoint
-and resumes it twice in fresh processes -- with this project's ``V+stateadoption`` build and
-with upstream megatron-core V (any release V the build is made from, e.g. 0.16.1, 0.18.2,
-0.19.2) -- and reports the load peaks, the bytes the build
-avoids (expected: 8 B x optimizer parameters on the rank; not predicted when an adopter besides
-``te_fused_adam_fp32`` handles the state on the build side), which adopter installed the state
-on each rank,
-training peaks, load times and whether the restored state and the next step are bitwise
-identical to the uninterrupted run.
+For every case it trains a Megatron-Core GPT a few steps, saves a ``torch_dist`` checkpoint and
+resumes it in fresh processes with this project's ``V+stateadoption`` build and with upstream
+megatron-core V (any release V, e.g. 0.16.1, 0.18.2, 0.19.2), on one rank or several
+(``--nproc-per-node``, TP, EP, ``--resume-nproc-per-node``; see docs/multi-gpu.md). Per rank it
+reports the load peaks, the bytes the build avoids (expected: 8 B x optimizer parameters on the
+rank), which adopter installed the state, the training peaks, load times, and whether the
+restored state and the next step are bitwise identical to the uninterrupted run.
 
-Exit status: 0 all measurements ran; 1 a phase crashed; 2 this machine cannot run the
-benchmark (no CUDA GPU or no Transformer Engine); 3 the sides are wrong (the build is not the
+Exit status: 0 all measurements ran; 1 a phase crashed; 2 this machine cannot run the benchmark
+(no CUDA GPU, too few GPUs, no Transformer Engine) or a usage error (argparse; including a
+process layout Megatron-Core cannot build); 3 the sides are wrong (the build is not a
 ``V+stateadoption`` build, upstream is not exactly V, or both are the same); 4 with ``--check``,
-a case missed its expectation on some rank (saving, load peak within the training peak, or
-bitwise equality). Invalid flags (including a process
-layout Megatron-Core cannot build) are usage errors, reported by argparse with status 2.
-
-Ranks (``--nproc-per-node N``, optionally ``--tensor-model-parallel-size``,
-``--expert-model-parallel-size``, ``--resume-nproc-per-node M``): one rank is a plain worker
-process, several are one ``python -m torch.distributed.run --standalone --nproc-per-node N``
-launch; every rank measures and fingerprints its own shards, and on several ranks the report has
-one row per case, side and rank (see docs/multi-gpu.md). ``--gpus`` chooses the GPUs
-(``CUDA_VISIBLE_DEVICES`` of every worker; an inherited one is passed on as it is).
+a case missed its expectation on some rank (saving, load peak within the training peak, bitwise
+equality, the instance-level loader's path).
 """
 
 from __future__ import annotations
@@ -60,12 +51,13 @@ from benchmarks.resume_benchmark.results import eprint, one_line, progress
 from benchmarks.resume_benchmark.sides import (
     Side,
     SideError,
+    build_problem,
     build_release,
     default_cache_dir,
-    public_release,
     resolve_build,
     resolve_upstream,
     sides_problem,
+    upstream_release,
 )
 from benchmarks.resume_benchmark.summary import case_meets_expectations
 
@@ -74,17 +66,7 @@ EXIT_CRASH = 1
 EXIT_WRONG_SIDES = 3
 EXIT_EXPECTATION_MISSED = 4
 
-_SIZE_FLAGS = (
-    "hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "seq_length",
-    "micro_batch_size",
-    "vocab_size",
-    "num_experts",
-    "moe_router_topk",
-)
+_SIZE_FLAGS = tuple(field.name for field in dataclasses.fields(ModelSize))
 
 
 def _parse_cases(text: str) -> list[str]:
@@ -304,16 +286,12 @@ def _prepare_sides(
             eprint(cannot_run_message(missing))
             return EXIT_CANNOT_RUN
         build_info = probes["build"]["megatron_core"]
-        release = build_release(build_info.get("version"))
-        if release is None and not dev_mode:
-            eprint(
-                f"resume_benchmark: refusing to run: the build side's megatron-core is "
-                f"{build_info.get('version')} at {build_info.get('file')}, not a "
-                "V+stateadoption build; pass --build DIR|WHEEL or install the build."
-            )
+        problem = build_problem(build_info, dev_mode)
+        if problem is not None:
+            eprint(f"resume_benchmark: refusing to run: {problem}")
             return EXIT_WRONG_SIDES
-        release = release or public_release(build_info.get("version")) or "unknown"
-        progress(f"build side: megatron-core {build_info.get('version')}; upstream must be {release}")
+        release = upstream_release(build_info)
+        progress(f"build side: megatron-core {build_info['version']}; upstream must be {release}")
         sides["upstream"] = resolve_upstream(args.upstream, cache_dir, release)
         probes["upstream"] = _probe(workspace, sides["upstream"])
     except SideError as exc:

@@ -83,10 +83,6 @@ class ParallelLayout:
         """Dense data-parallel size at ``nproc`` ranks (world / TP)."""
         return nproc // self.tensor_model_parallel_size
 
-    def expert_data_parallel_size(self, nproc: int) -> int:
-        """Expert data-parallel size at ``nproc`` ranks: world / (expert TP x EP); eTP = TP."""
-        return nproc // (self.tensor_model_parallel_size * self.expert_model_parallel_size)
-
     def phase_nproc(self, phase: str) -> int:
         """Ranks that run ``phase`` (``train`` or ``resume``)."""
         return self.resume_nproc_per_node if phase == "resume" else self.nproc_per_node

@@ -167,27 +167,41 @@ def public_release(version: str | None) -> str | None:
     return version.split("+", 1)[0] if version else None
 
 
+def build_problem(build: Mapping[str, Any], dev_mode: bool = False) -> str | None:
+    """Why the probed build side is not a ``V+stateadoption`` build with the subsystem, or None.
+
+    ``dev_mode`` (testing the benchmark itself) accepts any ``megatron-core`` that imports.
+    """
+    if build.get("error"):
+        return f"the build side cannot import megatron.core ({build['error']})"
+    if dev_mode or (build_release(build["version"]) and build["has_state_adoption"]):
+        return None
+    return (
+        f"the build side is megatron-core {build['version']} at {build['file']}, not a "
+        f"V+{BUILD_LOCAL_VERSION} build (state_adoption present: {build['has_state_adoption']}); "
+        "pass --build DIR|WHEEL or install the build"
+    )
+
+
+def upstream_release(build: Mapping[str, Any]) -> str:
+    """The release upstream must be: the build's V (in development mode its public version)."""
+    return build_release(build["version"]) or public_release(build["version"]) or "unknown"
+
+
 def sides_problem(
     upstream: Mapping[str, Any], build: Mapping[str, Any], dev_mode: bool = False
 ) -> str | None:
     """Why the probed sides cannot be compared, or None.
 
-    The build must be ``V+stateadoption`` with the state-adoption subsystem, upstream exactly
-    ``V`` without it (same V), and the two must be different installations. ``dev_mode``
-    (testing the benchmark itself) accepts any build and compares it with its public release.
+    The build must pass :func:`build_problem`, upstream must be exactly its release V without
+    the state-adoption subsystem, and the two must be different installations.
     """
-    for label, info in (("upstream", upstream), ("build", build)):
-        if info.get("error"):
-            return f"the {label} side cannot import megatron.core ({info['error']})"
-    release = build_release(build["version"])
-    if release is None or not build["has_state_adoption"]:
-        if not dev_mode:
-            return (
-                f"the build side is megatron-core {build['version']} at {build['file']}, not a "
-                f"V+{BUILD_LOCAL_VERSION} build (state_adoption present: "
-                f"{build['has_state_adoption']}); pass --build DIR|WHEEL or install the build"
-            )
-        release = public_release(build["version"])
+    problem = build_problem(build, dev_mode)
+    if problem is not None:
+        return problem
+    if upstream.get("error"):
+        return f"the upstream side cannot import megatron.core ({upstream['error']})"
+    release = upstream_release(build)
     if upstream["version"] != release or upstream["has_state_adoption"]:
         return (
             f"the upstream side must be plain megatron-core {release}, the release the build "

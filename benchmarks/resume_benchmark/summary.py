@@ -123,17 +123,6 @@ def resume_measurements(result: Result) -> dict[str, Any]:
     }
 
 
-def _step_comparison(reference: Result, result: Result) -> dict[str, Any]:
-    """Step N+1 of ``result`` versus ``reference``: loss bits and every digest."""
-    after = compare_digests(reference["next_step"]["fingerprint"], result["next_step"]["fingerprint"])
-    loss_equal = reference["next_step"]["loss_hex"] == result["next_step"]["loss_hex"]
-    return {
-        "next_step_equal": loss_equal and after.equal,
-        "next_step_loss_equal": loss_equal,
-        "next_step_state": after.to_json(),
-    }
-
-
 def _unusable(result: Result | None) -> dict[str, Any]:
     """The side record of a rank without a usable result (none, or an ``error``)."""
     if result is None:
@@ -141,18 +130,29 @@ def _unusable(result: Result | None) -> dict[str, Any]:
     return {"status": "error", "error": result["error"]}
 
 
-def _same_sharding_side(control: Result, result: Result | None) -> dict[str, Any]:
-    """One resume rank at the control's sharding, compared with the control's same rank."""
-    if result is None or "error" in result:
-        return _unusable(result)
-    restored = compare_digests(control["post_save_fingerprint"], result["restored_fingerprint"])
-    return {
+def _resume_side(
+    result: Result, restored: Mapping[str, Any], reference: Result | None, reference_name: str
+) -> dict[str, Any]:
+    """One resume rank: its measurements, the ``restored`` comparison, and step N+1 versus
+    ``reference`` (None: nothing to compare it with)."""
+    side: dict[str, Any] = {
         "status": "ok",
         **resume_measurements(result),
-        "restored_state_equal": restored.equal,
-        "restored_state": restored.to_json(),
-        **_step_comparison(control, result),
+        "restored_state_equal": restored["equal"],
+        "restored_state": dict(restored),
+        "next_step_equal": None,
+        "next_step_loss_equal": None,
+        "next_step_state": None,
     }
+    if reference is not None and "error" not in reference:
+        after = compare_digests(reference["next_step"]["fingerprint"], result["next_step"]["fingerprint"])
+        loss_equal = reference["next_step"]["loss_hex"] == result["next_step"]["loss_hex"]
+        side.update(
+            next_step_equal=loss_equal and after.equal,
+            next_step_loss_equal=loss_equal,
+            next_step_state={**after.to_json(), "reference": reference_name},
+        )
+    return side
 
 
 def _gathered_comparison(
@@ -175,49 +175,31 @@ def _gathered_comparison(
     }
 
 
-def _resharded_side(
-    result: Result | None, restored: Mapping[str, Any], reference: Result | None
-) -> dict[str, Any]:
-    """One rank of one side of a resume at another DP size (see the module docstring)."""
-    if result is None or "error" in result:
-        return _unusable(result)
-    side: dict[str, Any] = {
-        "status": "ok",
-        **resume_measurements(result),
-        "restored_state_equal": restored["equal"],
-        "restored_state": dict(restored),
-        "next_step_equal": None,
-        "next_step_loss_equal": None,
-        "next_step_state": None,
-    }
-    if reference is not None and "error" not in reference:
-        step = _step_comparison(reference, result)
-        step["next_step_state"]["reference"] = "upstream resume, same rank"
-        side.update(step)
-    return side
-
-
 def _rank_sides(
     layout: ParallelLayout,
     controls: Sequence[Result],
     resumed: Mapping[str, Sequence[Result | None]],
 ) -> dict[str, list[dict[str, Any]]]:
+    """Every resume rank of both sides, compared (see the module docstring)."""
     count = layout.resume_nproc_per_node
     results = {label: _padded(resumed.get(label) or [], count) for label in RESUME_SIDES}
     sides: dict[str, list[dict[str, Any]]] = {}
     for label in RESUME_SIDES:
-        if not layout.resharded:
-            sides[label] = [
-                {"rank": r, **_same_sharding_side(controls[r], results[label][r])}
-                for r in range(count)
-            ]
-            continue
-        restored = _gathered_comparison(controls, results[label])
-        reference = results["upstream"] if label == "build" else [None] * count
-        sides[label] = [
-            {"rank": r, **_resharded_side(results[label][r], restored, reference[r])}
-            for r in range(count)
-        ]
+        gathered = _gathered_comparison(controls, results[label]) if layout.resharded else None
+        sides[label] = []
+        for r, result in enumerate(results[label]):
+            if result is None or "error" in result:
+                sides[label].append({"rank": r, **_unusable(result)})
+                continue
+            if gathered is None:  # same sharding: rank r of the control
+                restored = compare_digests(
+                    controls[r]["post_save_fingerprint"], result["restored_fingerprint"]
+                ).to_json()
+                side = _resume_side(result, restored, controls[r], "control, same rank")
+            else:  # another DP size: the build's step N+1 against upstream's on the same rank
+                upstream = results["upstream"][r] if label == "build" else None
+                side = _resume_side(result, gathered, upstream, "upstream resume, same rank")
+            sides[label].append({"rank": r, **side})
     return sides
 
 

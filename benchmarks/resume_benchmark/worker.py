@@ -59,6 +59,7 @@ from benchmarks.resume_benchmark.adoption import (
 from benchmarks.resume_benchmark.cases import BenchmarkCase
 from benchmarks.resume_benchmark.launch import ParallelLayout, rank_result_path
 from benchmarks.resume_benchmark.results import one_line, progress, read_json, write_json
+from benchmarks.resume_benchmark import runtime
 from benchmarks.resume_benchmark.runtime import apply_determinism_env, launched_rank
 
 
@@ -217,20 +218,15 @@ def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[s
     }
 
 
-def _rank_info() -> dict[str, Any]:
-    """``{"rank": coordinates}``: global rank, world size and Megatron's parallel ranks."""
-    from benchmarks.resume_benchmark.runtime import rank_coordinates
+def _fingerprint(out: dict[str, Any], name: str, layout: ParallelLayout, model_chunks: Any, optimizer: Any) -> None:
+    """Record ``<name>_fingerprint`` and, for a resume at another DP size, the DP-size-independent
+    ``<name>_gathered_fingerprint`` (:mod:`.gathered`; collective)."""
+    from benchmarks.resume_benchmark import gathered
+    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
 
-    return {"rank": rank_coordinates()}
-
-
-def _gathered(layout: ParallelLayout, model_chunks: Any, optimizer: Any) -> dict[str, str] | None:
-    """The DP-size-independent fingerprint when the resume is resharded, else ``None``."""
-    if not layout.resharded:
-        return None
-    from benchmarks.resume_benchmark.gathered import gathered_fingerprint
-
-    return gathered_fingerprint(model_chunks, optimizer)
+    out[f"{name}_fingerprint"] = fingerprint_state(model_chunks, optimizer)
+    if layout.resharded:
+        out[f"{name}_gathered_fingerprint"] = gathered.gathered_fingerprint(model_chunks, optimizer)
 
 
 def run_train(
@@ -240,14 +236,13 @@ def run_train(
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import save_checkpoint
-    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
     from benchmarks.resume_benchmark.training import train_step
 
     who = _who(case, label)
     out: dict[str, Any] = {"phase": "train", "case": case.name, "side": label}
     out["megatron_core"] = megatron_core_info()
     model_chunks, optimizer, out["model"] = _build(case, label, layout)
-    out.update(_rank_info())
+    out["rank"] = runtime.rank_coordinates()
 
     gc.collect()
     torch.cuda.synchronize()
@@ -297,10 +292,7 @@ def run_train(
         f"{who}: saved {out['save']['checkpoint_bytes'] / 2**20:,.1f} MiB "
         f"in {out['save']['seconds']:.2f} s; fingerprinting state"
     )
-    out["post_save_fingerprint"] = fingerprint_state(model_chunks, optimizer)
-    gathered = _gathered(layout, model_chunks, optimizer)
-    if gathered is not None:
-        out["post_save_gathered_fingerprint"] = gathered
+    _fingerprint(out, "post_save", layout, model_chunks, optimizer)
     out["next_step"] = _next_step(case, model_chunks, optimizer)
     progress(
         f"{who}: control step {case.train_steps + 1} loss "
@@ -316,7 +308,6 @@ def run_resume(
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
-    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
     from benchmarks.resume_benchmark.instance_loader import installed_instance_loaders
     from benchmarks.resume_benchmark.model import inner_optimizers
 
@@ -324,7 +315,7 @@ def run_resume(
     out: dict[str, Any] = {"phase": "resume", "case": case.name, "side": label}
     out["megatron_core"] = megatron_core_info()
     model_chunks, optimizer, out["model"] = _build(case, label, layout)
-    out.update(_rank_info())
+    out["rank"] = runtime.rank_coordinates()
     adopters = registered_adopter_names()  # loads plugin entry points before the measurement
 
     gc.collect()
@@ -365,10 +356,7 @@ def run_resume(
         "over baseline); "
         "fingerprinting state"
     )
-    out["restored_fingerprint"] = fingerprint_state(model_chunks, optimizer)
-    gathered = _gathered(layout, model_chunks, optimizer)
-    if gathered is not None:
-        out["restored_gathered_fingerprint"] = gathered
+    _fingerprint(out, "restored", layout, model_chunks, optimizer)
     out["next_step"] = _next_step(case, model_chunks, optimizer)
     progress(
         f"{who}: resumed step {case.train_steps + 1} loss "
@@ -419,17 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         out = {"phase": args.phase, "case": case.name, "side": label, "error": one_line(exc)}
         status = 1
     write_json(result_path, out)
-    _shutdown_quietly()
-    return status
-
-
-def _shutdown_quietly() -> None:
     try:
-        from benchmarks.resume_benchmark.runtime import shutdown
-
-        shutdown()
+        runtime.shutdown()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
+    return status
 
 
 if __name__ == "__main__":
