@@ -18,6 +18,8 @@ Layout (one concern per module):
 * :mod:`.worker` -- one phase (probe, train+save+control, resume) on one rank.
 * :mod:`.adoption` -- the registered state adopters and the structured outcome of every
   state-adoption hook point during a resume's load, on every rank (no torch import).
+* :mod:`.instance_loader` -- ``--instance-loader bridge-like``: an instance-level
+  ``load_state_dict`` on every inner FusedAdam for a resume's load, counted.
 * :mod:`.cases` -- model sizes, presets and the measured cases (no torch import).
 * :mod:`.runtime` -- ``torch.distributed``/Megatron initialisation of a rank, and determinism.
 * :mod:`.model` -- :func:`~.model.build_gpt_and_optimizer`.
