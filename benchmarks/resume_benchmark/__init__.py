@@ -1,4 +1,4 @@
-"""Checkpoint-resume memory benchmark: upstream megatron-core 0.19.2 vs. ``+stateadoption``.
+"""Checkpoint-resume memory benchmark: upstream megatron-core V vs. this ``V+stateadoption`` build.
 
 Run it from the repository root with ``python -m benchmarks.resume_benchmark --help``.
 
@@ -6,23 +6,27 @@ Layout (one concern per module):
 
 * :mod:`.cli` / :mod:`.__main__` -- command line and exit codes.
 * :mod:`.preflight` -- cheap checks (CUDA, Transformer Engine) before any heavy work.
-* :mod:`.sides` -- where each side's ``megatron-core`` comes from (directory, wheel, download).
-* :mod:`.driver` -- runs every phase of every case in a fresh worker process.
+* :mod:`.sides` -- where each side's ``megatron-core`` comes from (directory, wheel, download)
+  and whether the two are comparable (build ``V+stateadoption``, upstream exactly ``V``).
+* :mod:`.driver` -- one case as one story: train+save+control, resume upstream, resume build,
+  each phase a fresh launch on the layout's ranks; collects every rank's result.
 * :mod:`.launch` -- process layout (``--nproc-per-node``, TP, EP, resume DP size), its
-  validation and the phase command (plain or ``torch.distributed.run``; no torch import).
-* :mod:`.multirank` -- runs one case's phases on several ranks and collects every rank's result.
-* :mod:`.rank_summary` -- per-rank results of one multi-rank case -> its report entry.
+  validation and the phase command (plain on one rank, ``torch.distributed.run`` on several).
+* :mod:`.summary` -- every rank's results of one case -> its report entry and the ``--check``
+  verdict (no torch import).
 * :mod:`.gathered` -- DP-size-independent fingerprint for a resume at another DP size.
-* :mod:`.worker` -- one phase (probe, train+save+control, resume) in one process.
-* :mod:`.adoption` -- the registered state adopters and which one installed the state during a
-  resume's load (log records of the state-adoption loader; no torch import).
+* :mod:`.worker` -- one phase (probe, train+save+control, resume) on one rank.
+* :mod:`.adoption` -- the registered state adopters and the structured outcome of every
+  state-adoption hook point during a resume's load, on every rank (no torch import).
+* :mod:`.instance_loader` -- ``--instance-loader bridge-like``: an instance-level
+  ``load_state_dict`` on every inner FusedAdam for a resume's load, counted.
 * :mod:`.cases` -- model sizes, presets and the measured cases (no torch import).
-* :mod:`.runtime` -- ``torch.distributed``/Megatron initialisation (one rank or a ``torchrun``
-  rank) and determinism.
+* :mod:`.runtime` -- ``torch.distributed``/Megatron initialisation of a rank, and determinism.
 * :mod:`.model` -- :func:`~.model.build_gpt_and_optimizer`.
 * :mod:`.training` -- deterministic synthetic batches and one training step.
 * :mod:`.checkpoint` -- ``torch_dist`` save and the timed load, as Megatron's checkpointing does.
 * :mod:`.fingerprint` -- bitwise (SHA-256) fingerprints of model and optimizer state.
 * :mod:`.results` -- result records and their comparison (no torch import).
-* :mod:`.report` -- the Markdown table and the JSON document.
+* :mod:`.report` -- the Markdown table and the JSON document; merging several runs' documents.
+* :mod:`.legacy` -- documents written before the one-path entry shape, for the report.
 """

@@ -1,93 +1,40 @@
-"""Which optimizer state adopters a resume worker had, and which ones installed the state.
+"""Which optimizer state adopters a resume worker had, and what each hook point did in its load.
 
-The worker records them as the ``state_adoption`` field of its resume result::
+Every resume rank records the ``state_adoption`` field of its result::
 
-    {"adopters": ["te_fused_adam_fp32"],           # registered; None: no state-adoption subsystem
-     "events": [{"adopter": "te_fused_adam_fp32",  # None: the optimizer's own loader loaded it
-                 "message": "Optimizer state adopter 'te_fused_adam_fp32' installed ...",
-                 "avoided_bytes": 8916762624}]}     # None for fallbacks
+    {"adopters": ["te_fused_adam_fp32"],      # registered; None: no state-adoption subsystem
+     "outcomes": [{"hook_point": "load",      # one per call: "load" (the inner load_state_dict)
+                   "optimizer": "FusedAdam",  # or "export" (the inner state_dict())
+                   "adopter": "te_fused_adam_fp32",  # None: the optimizer's own method ran
+                   "avoided_bytes": 4458381312,
+                   "declines": [],            # [adopter name, reason] of each adopter skipped
+                   "fallback_reason": None}]} # why the own method ran
 
-``events`` are the INFO messages of the ``megatron.core.optimizer.state_adoption`` loggers during
-the checkpoint load. The loader logs through ``log_single_rank``: in a multi-rank run only global
-rank 0 records events.
+``outcomes`` are the subsystem's :class:`StateAdoptionOutcome` records (``to_json()``) handed
+to an outcome hook registered around the load and removed after it, on every rank. ``None``:
+upstream (no ``megatron.core.optimizer.state_adoption``) or a build without outcome hooks.
 
 Pure Python (no torch, no Megatron at import time).
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Final
 
-#: Parent logger of the state-adoption subsystem (its loader logs through a child logger).
-STATE_ADOPTION_LOGGER: Final = "megatron.core.optimizer.state_adoption"
+from benchmarks.resume_benchmark.results import one_line
 
-#: Start of the loader's message when no adopter installed the state (the fallback).
-FALLBACK_PREFIX: Final = "No optimizer state adopter installed the state"
+#: Hook point of the inner ``load_state_dict`` call (the one that installs the state).
+LOAD_HOOK_POINT: Final = "load"
 
 #: How the report names the fallback: the inner optimizer's own ``load_state_dict``.
 OWN_LOADER: Final = "own loader"
 
-_INSTALLED = re.compile(
-    r"Optimizer state adopter '(?P<adopter>[^']+)' installed .*?avoiding (?P<bytes>\d+) bytes"
-)
-
-
-def parse_adoption_message(message: str) -> dict[str, Any]:
-    """One ``events`` item: the installing adopter and the bytes it avoided, if it says so."""
-    match = _INSTALLED.match(message)
-    return {
-        "adopter": match["adopter"] if match else None,
-        "message": message,
-        "avoided_bytes": int(match["bytes"]) if match else None,
-    }
-
-
-def is_fallback(event: Mapping[str, Any]) -> bool:
-    """Whether ``event`` says the optimizer's own loader loaded the state."""
-    return event.get("adopter") is None and str(event.get("message", "")).startswith(
-        FALLBACK_PREFIX
-    )
-
-
-class AdoptionEventHandler(logging.Handler):
-    """Collects the INFO records it is given as :func:`parse_adoption_message` events."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.INFO)
-        self.events: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno != logging.INFO:
-            return
-        try:
-            self.events.append(parse_adoption_message(record.getMessage()))
-        except Exception:  # noqa: BLE001 - a malformed record must not break the load
-            self.handleError(record)
-
-
-@contextmanager
-def recording_adoption_events() -> Iterator[list[dict[str, Any]]]:
-    """Collect the state-adoption INFO events logged inside the ``with`` block.
-
-    The handler sits on :data:`STATE_ADOPTION_LOGGER` (child loggers propagate to it), which
-    is lowered to INFO for the block if it would drop INFO records; both are undone on exit.
-    """
-    logger = logging.getLogger(STATE_ADOPTION_LOGGER)
-    handler = AdoptionEventHandler()
-    old_level = logger.level
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    try:
-        yield handler.events
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
+#: How the report names the fallback when an instance-level loader was installed (then the
+#: optimizer's own ``load_state_dict`` is that instance method).
+INSTANCE_LOADER: Final = "instance loader"
 
 
 def registered_adopter_names() -> list[str] | None:
@@ -96,26 +43,102 @@ def registered_adopter_names() -> list[str] | None:
         from megatron.core.optimizer.state_adoption import registered_state_adopters
     except ImportError:
         return None
-    return [str(adopter.name) for adopter in registered_state_adopters()]
+    return [str(registration.name) for registration in registered_state_adopters()]
 
 
-def installed_by(state_adoption: Mapping[str, Any] | None) -> Counter[str]:
-    """Adopter name (or :data:`OWN_LOADER`) -> how many inner optimizers it loaded."""
-    counts: Counter[str] = Counter()
-    for event in (state_adoption or {}).get("events") or []:
-        if event.get("adopter"):
-            counts[str(event["adopter"])] += 1
-        elif is_fallback(event):
-            counts[OWN_LOADER] += 1
-    return counts
+def has_outcome_hooks() -> bool:
+    """Whether this process's ``megatron-core`` reports structured outcomes."""
+    try:
+        from megatron.core.optimizer.state_adoption import register_outcome_hook  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-def installed_by_text(state_adoption: Mapping[str, Any] | None) -> str | None:
-    """E.g. ``te_fused_adam_fp32 ×2, own loader ×1``; None when nothing was recorded."""
-    counts = installed_by(state_adoption)
+@contextmanager
+def recording_outcomes() -> Iterator[list[dict[str, Any]] | None]:
+    """Collect the state-adoption outcome of every call inside the ``with`` block.
+
+    Yields the list the outcomes' ``to_json()`` dicts are appended to, or None when this
+    ``megatron-core`` has no outcome hooks (upstream). The hook is removed on exit, also when
+    the block raises.
+    """
+    try:
+        from megatron.core.optimizer.state_adoption import register_outcome_hook
+    except ImportError:
+        yield None
+        return
+    outcomes: list[dict[str, Any]] = []
+
+    def record(outcome: Any) -> None:
+        try:
+            outcomes.append(outcome.to_json())
+        except Exception as exc:  # noqa: BLE001 - a malformed outcome is recorded as such
+            outcomes.append({"hook_point": None, "adopter": None, "error": one_line(exc)})
+
+    handle = register_outcome_hook(record)
+    try:
+        yield outcomes
+    finally:
+        handle.remove()
+
+
+def load_outcomes(record: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    """The outcomes of the inner ``load_state_dict`` calls in a ``state_adoption`` record."""
+    outcomes = (record or {}).get("outcomes") or []
+    return [o for o in outcomes if o.get("hook_point") == LOAD_HOOK_POINT]
+
+
+def adopters_that_handled(records: Iterable[Mapping[str, Any] | None]) -> list[str] | None:
+    """Adopters that handled any call (load or export) in ``records``, in order; where a record
+    has no outcomes, the adopters it registered. None when no record has either."""
+    names: dict[str, None] = {}
+    recorded = False
+    for record in records:
+        record = record or {}
+        outcomes = record.get("outcomes")
+        if outcomes is not None:
+            recorded = True
+            names.update(dict.fromkeys(str(o["adopter"]) for o in outcomes if o.get("adopter")))
+        elif record.get("adopters") is not None:
+            recorded = True
+            names.update(dict.fromkeys(record["adopters"]))
+    return list(names) if recorded else None
+
+
+def installed_by(record: Mapping[str, Any] | None, instance_loader: bool = False) -> Counter[str]:
+    """Adopter name (or the fallback: :data:`OWN_LOADER`, or :data:`INSTANCE_LOADER` when an
+    instance-level loader was installed) -> how many inner ``load_state_dict`` calls it handled."""
+    fallback = INSTANCE_LOADER if instance_loader else OWN_LOADER
+    return Counter(str(o.get("adopter") or fallback) for o in load_outcomes(record))
+
+
+def installed_by_text(
+    record: Mapping[str, Any] | None, instance_loader_calls: int | None = None
+) -> str | None:
+    """E.g. ``te_fused_adam_fp32 ×2``, ``instance loader ×2``; None when nothing was recorded.
+
+    ``instance_loader_calls``: how often an instance-level loader ran on this rank (None: none
+    was installed). Without outcomes (upstream) that count is all there is to show; with them,
+    a count that differs from the fallbacks is appended, so a mismatch cannot hide.
+    """
+    instance = instance_loader_calls is not None
+    counts = installed_by(record, instance)
     if not counts:
-        return None
-    return ", ".join(f"{name} ×{count}" for name, count in counts.items())
+        return f"{INSTANCE_LOADER} ×{instance_loader_calls}" if instance else None
+    text = ", ".join(f"{name} ×{count}" for name, count in counts.items())
+    if instance and counts[INSTANCE_LOADER] != instance_loader_calls:
+        text += f" (instance loader ran ×{instance_loader_calls})"
+    return text
+
+
+def fallback_text(record: Mapping[str, Any] | None) -> str | None:
+    """Why the first inner ``load_state_dict`` call that fell back did, with each decline."""
+    for outcome in load_outcomes(record):
+        if not outcome.get("adopter"):
+            declines = "; ".join(f"{name}: {reason}" for name, reason in outcome.get("declines") or [])
+            return f"{outcome.get('fallback_reason')}" + (f" ({declines})" if declines else "")
+    return None
 
 
 def adopters_text(adopters: Sequence[str] | None) -> str:

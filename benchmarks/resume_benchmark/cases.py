@@ -10,7 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-#: Optimizer sharding formats Megatron-Core 0.19.2's DistributedOptimizer offers for ``torch_dist``.
+#: Optimizer sharding formats Megatron-Core's DistributedOptimizer offers for ``torch_dist``
+#: (the same in 0.16.1, 0.18.2 and 0.19.2).
 SHARDING_FORMATS: Final[tuple[str, ...]] = (
     "dp_reshardable",
     "fully_reshardable",
@@ -27,12 +28,18 @@ PRECISION_AWARE_CASE: Final = "precision_aware_bf16"
 #: Every case, in the order they run by default.
 CASE_NAMES: Final[tuple[str, ...]] = (*SHARDING_FORMATS, MOE_CASE, PRECISION_AWARE_CASE)
 
+#: Instance-level loaders a resume can run with (:mod:`.instance_loader`): ``bridge-like`` sets,
+#: on each inner FusedAdam, a ``load_state_dict`` that runs PyTorch's loader only.
+BRIDGE_LIKE: Final = "bridge-like"
+INSTANCE_LOADERS: Final[tuple[str, ...]] = (BRIDGE_LIKE,)
+
 #: One FP32 ``exp_avg`` plus one FP32 ``exp_avg_sq`` element: what the build avoids per parameter.
 FP32_MOMENT_PAIR_BYTES: Final = 8
 
 #: The state adopters the ``+stateadoption`` build registers by itself (no plugin installed).
-#: The expected savings assume exactly these; any other one on the build side (an opt-in plugin
-#: such as ``te_fused_adam_precision_aware``) makes the saving measured, not predicted.
+#: The expected savings assume that only these handle the state; any other one that does on the
+#: build side (an opt-in plugin such as ``te_fused_adam_precision_aware`` in the precision-aware
+#: case) makes the saving measured, not predicted.
 DEFAULT_ADOPTERS: Final[tuple[str, ...]] = ("te_fused_adam_fp32",)
 
 
@@ -44,10 +51,12 @@ def extra_adopters(adopters: Iterable[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(a for a in adopters or () if a not in DEFAULT_ADOPTERS))
 
 
-def unpredicted_saving_note(extra: Iterable[str]) -> str:
-    """Why a case has no expected saving: the extra adopters on the build side."""
+def unpredicted_saving_note(extra: Iterable[str], handled: bool = True) -> str:
+    """Why a case has no expected saving: the extra adopters on the build side, which handled
+    the state (``handled``, per the recorded outcomes) or were registered there."""
+    how = "handled the state" if handled else "registered"
     return (
-        f"not predicted: adopters {', '.join(extra)} registered on the build side; "
+        f"not predicted: adopters {', '.join(extra)} {how} on the build side; "
         "the saving is measured, not predicted"
     )
 
@@ -86,13 +95,27 @@ class ModelSize:
         return self.num_layers * layer + embeddings + self.vocab_size * h + 2 * h
 
 
-#: Named size presets. ``default`` is a ~1.1 B-parameter GPT (training peak ~20 GB on an H200).
+#: Named size presets. ``default`` is a ~1.1 B-parameter GPT (training peak ~23 GB on an H200);
+#: ``small`` (~0.26 B) keeps several cases of a multi-GPU layout within one 10-minute call while
+#: 8 B x params on a rank stays far above the 1 MiB tolerance; ``tiny`` is for smoke runs and
+#: tests (its saving is too small for ``--check``'s +-1 %).
 PRESETS: Final[Mapping[str, ModelSize]] = {
     "default": ModelSize(
         hidden_size=2048,
         num_layers=18,
         num_attention_heads=16,
         ffn_hidden_size=8192,
+        seq_length=1024,
+        micro_batch_size=2,
+        vocab_size=50304,
+        num_experts=8,
+        moe_router_topk=2,
+    ),
+    "small": ModelSize(
+        hidden_size=1024,
+        num_layers=12,
+        num_attention_heads=16,
+        ffn_hidden_size=4096,
         seq_length=1024,
         micro_batch_size=2,
         vocab_size=50304,
@@ -125,16 +148,31 @@ class BenchmarkCase:
     train_steps: int = 2
     seed: int = 1234
     moe_fold_experts: bool = False
+    instance_loader: str | None = None
 
     @property
     def expected_saving_bytes_per_param(self) -> int:
-        """Bytes per optimizer parameter the build should avoid versus upstream at load time."""
-        return 0 if self.precision_aware else FP32_MOMENT_PAIR_BYTES
+        """Bytes per optimizer parameter the build should avoid versus upstream at load time.
+
+        0 for the precision-aware fallback, and with an instance-level loader, which installs
+        the moments by reference on both sides.
+        """
+        if self.precision_aware or self.instance_loader is not None:
+            return 0
+        return FP32_MOMENT_PAIR_BYTES
+
+    @property
+    def load_peak_within_training_peak_expected(self) -> bool:
+        """Whether the build's load peak should stay within the training peak on every rank.
+
+        True with FP32 moments (the build's load peak is the final state plus transients);
+        the precision-aware case keeps TE's loader, whose peak exceeds training on both sides.
+        """
+        return not self.precision_aware
 
     def expected_saving_given(self, build_adopters: Iterable[str] | None) -> int | None:
-        """:attr:`expected_saving_bytes_per_param` when the build side registered only
-        :data:`DEFAULT_ADOPTERS` (or did not record its adopters); None (not predicted) when it
-        registered others."""
+        """:attr:`expected_saving_bytes_per_param` when only :data:`DEFAULT_ADOPTERS` (or none
+        recorded) took part on the build side; None (not predicted) when others did."""
         if extra_adopters(build_adopters):
             return None
         return self.expected_saving_bytes_per_param
@@ -157,26 +195,28 @@ def make_case(
     train_steps: int = 2,
     seed: int = 1234,
     moe_fold_experts: bool = False,
+    instance_loader: str | None = None,
 ) -> BenchmarkCase:
     """Build the :class:`BenchmarkCase` called ``name`` (one of :data:`CASE_NAMES`).
 
     ``moe_fold_experts`` (moe case only) keeps experts in the dense DistributedOptimizer, as
     Megatron-Core does by default on one rank, instead of a separate expert optimizer.
+    ``instance_loader`` (one of :data:`INSTANCE_LOADERS`) resumes with an instance-level
+    ``load_state_dict`` on every inner FusedAdam.
     """
-    if name in SHARDING_FORMATS:
-        return BenchmarkCase(name, name, size, train_steps=train_steps, seed=seed)
+    formats = {MOE_CASE: "dp_reshardable", PRECISION_AWARE_CASE: "dp_reshardable"}
+    if name not in SHARDING_FORMATS and name not in formats:
+        raise ValueError(f"unknown case {name!r}; expected one of {', '.join(CASE_NAMES)}")
+    case = BenchmarkCase(
+        name,
+        formats.get(name, name),
+        size,
+        train_steps=train_steps,
+        seed=seed,
+        instance_loader=instance_loader,
+    )
     if name == MOE_CASE:
-        return BenchmarkCase(
-            name,
-            "dp_reshardable",
-            size,
-            moe=True,
-            train_steps=train_steps,
-            seed=seed,
-            moe_fold_experts=moe_fold_experts,
-        )
+        return dataclasses.replace(case, moe=True, moe_fold_experts=moe_fold_experts)
     if name == PRECISION_AWARE_CASE:
-        return BenchmarkCase(
-            name, "dp_reshardable", size, precision_aware=True, train_steps=train_steps, seed=seed
-        )
-    raise ValueError(f"unknown case {name!r}; expected one of {', '.join(CASE_NAMES)}")
+        return dataclasses.replace(case, precision_aware=True)
+    return case

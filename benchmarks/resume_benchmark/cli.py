@@ -1,30 +1,27 @@
 """Command line of the resume benchmark (``python -m benchmarks.resume_benchmark``).
 
-For every case it trains a Megatron-Core GPT a few steps, saves a ``torch_dist`` checkpoint
-and resumes it twice in fresh processes -- with upstream megatron-core 0.19.2 and with this
-project's ``0.19.2+stateadoption`` build -- and reports the load peaks, the bytes the build
-avoids (expected: 8 B x optimizer parameters on the rank; not predicted when the build side
-registers state adopters besides ``te_fused_adam_fp32``), which adopter installed the state,
-training peaks, load times and whether the restored state and the next step are bitwise
-identical to the uninterrupted run.
+For every case it trains a Megatron-Core GPT a few steps, saves a ``torch_dist`` checkpoint and
+resumes it in fresh processes with this project's ``V+stateadoption`` build and with upstream
+megatron-core V (any release V, e.g. 0.16.1, 0.18.2, 0.19.2), on one rank or several
+(``--nproc-per-node``, TP, EP, ``--resume-nproc-per-node``; see docs/multi-gpu.md). Per rank it
+reports the load peaks, the bytes the build avoids (expected: 8 B x optimizer parameters on the
+rank), which adopter installed the state, the training peaks, load times, and whether the
+restored state and the next step are bitwise identical to the uninterrupted run.
 
-Exit status: 0 all measurements ran; 1 a phase crashed; 2 this machine cannot run the
-benchmark (no CUDA GPU or no Transformer Engine); 3 the sides are wrong (the build is not the
-``+stateadoption`` build, upstream is not 0.19.2, or both are the same); 4 with ``--check``,
-a case missed its expectation (saving or bitwise equality). Invalid flags (including a process
-layout Megatron-Core cannot build) are usage errors, reported by argparse with status 2.
-
-Multi-rank (``--nproc-per-node N``, optionally ``--tensor-model-parallel-size``,
-``--expert-model-parallel-size``, ``--resume-nproc-per-node M``): every phase runs as one
-``python -m torch.distributed.run --standalone --nproc-per-node N`` launch; each rank measures and
-fingerprints its own shards and the report has one row per case, side and rank (see
-docs/multi-gpu.md). Without these flags the benchmark runs exactly as on one rank.
+Exit status: 0 all measurements ran; 1 a phase crashed; 2 this machine cannot run the benchmark
+(no CUDA GPU, too few GPUs, no Transformer Engine) or a usage error (argparse; including a
+process layout Megatron-Core cannot build); 3 the sides are wrong (the build is not a
+``V+stateadoption`` build, upstream is not exactly V, or both are the same); 4 with ``--check``,
+a case missed its expectation on some rank (saving, load peak within the training peak, bitwise
+equality, the instance-level loader's path).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -34,14 +31,14 @@ from typing import Any
 
 from benchmarks.resume_benchmark.cases import (
     CASE_NAMES,
+    INSTANCE_LOADERS,
     PRESETS,
     BenchmarkCase,
     ModelSize,
     make_case,
 )
-from benchmarks.resume_benchmark.driver import Workspace, run_case, run_worker
+from benchmarks.resume_benchmark.driver import CaseRun, Workspace, run_case, run_phase
 from benchmarks.resume_benchmark.launch import LayoutError, ParallelLayout, validate_layout
-from benchmarks.resume_benchmark.multirank import run_multi_rank_case
 from benchmarks.resume_benchmark.preflight import (
     EXIT_CANNOT_RUN,
     cannot_run_message,
@@ -52,13 +49,15 @@ from benchmarks.resume_benchmark.preflight import (
 from benchmarks.resume_benchmark.report import json_report, markdown_report
 from benchmarks.resume_benchmark.results import eprint, one_line, progress
 from benchmarks.resume_benchmark.sides import (
-    UPSTREAM_VERSION,
     Side,
     SideError,
+    build_problem,
+    build_release,
     default_cache_dir,
-    is_stateadoption_version,
     resolve_build,
     resolve_upstream,
+    sides_problem,
+    upstream_release,
 )
 from benchmarks.resume_benchmark.summary import case_meets_expectations
 
@@ -67,17 +66,7 @@ EXIT_CRASH = 1
 EXIT_WRONG_SIDES = 3
 EXIT_EXPECTATION_MISSED = 4
 
-_SIZE_FLAGS = (
-    "hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "seq_length",
-    "micro_batch_size",
-    "vocab_size",
-    "num_experts",
-    "moe_router_topk",
-)
+_SIZE_FLAGS = tuple(field.name for field in dataclasses.fields(ModelSize))
 
 
 def _parse_cases(text: str) -> list[str]:
@@ -91,6 +80,15 @@ def _parse_cases(text: str) -> list[str]:
             f"choose from all, {', '.join(CASE_NAMES)}"
         )
     return names
+
+
+def _parse_gpus(text: str) -> str:
+    indices = [part.strip() for part in text.split(",")]
+    if not indices or not all(i.isdigit() for i in indices) or len(set(indices)) != len(indices):
+        raise argparse.ArgumentTypeError(
+            f"--gpus takes distinct GPU indices separated by commas (e.g. 0,1), got {text!r}"
+        )
+    return ",".join(indices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         default="default",
-        help="model size preset (default: ~1.1 B parameters; 'tiny' for smoke tests)",
+        help="model size preset (default: ~1.1 B parameters; 'small': ~0.26 B, for multi-GPU "
+        "layouts; 'tiny' for smoke tests, too small for --check)",
     )
     sizes = parser.add_argument_group("model size (override the preset)")
     sizes.add_argument("--hidden-size", type=int)
@@ -131,20 +130,29 @@ def build_parser() -> argparse.ArgumentParser:
         "one-rank default) instead of a ChainedOptimizer of dense + expert",
     )
     parser.add_argument(
+        "--instance-loader",
+        choices=INSTANCE_LOADERS,
+        help="resume with an instance-level load_state_dict on every inner FusedAdam (both "
+        "sides), as Megatron-Bridge's loading context sets one: 'bridge-like' runs PyTorch's "
+        "loader only; the build must decline adoption and call it once per load; expected "
+        "saving 0 (both sides load by reference). Not with precision_aware_bf16",
+    )
+    parser.add_argument(
         "--train-steps", type=int, default=2, help="steps before the save (default 2)"
     )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--upstream",
         type=Path,
-        help="upstream megatron-core 0.19.2: a directory for PYTHONPATH or a .whl "
-        "(installed with pip --no-deps --target); default: pip download it",
+        help="upstream megatron-core V, the release the build V+stateadoption is made from: a "
+        "directory for PYTHONPATH or a .whl (installed with pip --no-deps --target); "
+        "default: pip download megatron-core==V",
     )
     parser.add_argument(
         "--build",
         type=Path,
         help="this build: a directory for PYTHONPATH or a .whl; default: the current "
-        "environment's megatron-core (must be the +stateadoption build)",
+        "environment's megatron-core (must be a V+stateadoption build)",
     )
     parser.add_argument(
         "--cache-dir",
@@ -171,16 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="exit 4 unless every measured case shows the expected saving (where one is "
-        "predicted) and bitwise-identical restored state and next step",
+        help="exit 4 unless, on every rank, every measured case shows the expected saving "
+        "(where one is predicted), the build's load peak within its training peak (where "
+        "required) and bitwise-identical restored state and next step; prints each reason",
     )
-    ranks = parser.add_argument_group("multi-rank (torch.distributed.run on this node)")
+    ranks = parser.add_argument_group("ranks (several: torch.distributed.run on this node)")
     ranks.add_argument(
         "--nproc-per-node",
         type=int,
         default=1,
         help="ranks (GPUs) for train+save+control and, by default, for each resume (default 1: "
-        "the single-rank benchmark, no torchrun)",
+        "plain worker processes, no launcher)",
     )
     ranks.add_argument(
         "--tensor-model-parallel-size", type=int, default=1, help="TP size (default 1)"
@@ -196,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="ranks for each resume (default: --nproc-per-node); a different value resumes at "
         "another data-parallel size (dp_reshardable, fully_reshardable, dp_zero_gather_scatter)",
+    )
+    ranks.add_argument(
+        "--gpus",
+        type=_parse_gpus,
+        help="comma-separated GPU indices every worker may use (sets CUDA_VISIBLE_DEVICES), "
+        "e.g. 2,3 to leave GPUs 0,1 to another run; default: all visible GPUs",
     )
     # Development only: lets the benchmark's mechanics be tested before the build exists.
     parser.add_argument(
@@ -227,6 +242,7 @@ def make_cases(args: argparse.Namespace, size: ModelSize) -> list[BenchmarkCase]
             train_steps=args.train_steps,
             seed=args.seed,
             moe_fold_experts=args.moe_fold_experts,
+            instance_loader=args.instance_loader,
         )
         for name in args.cases
     ]
@@ -250,51 +266,17 @@ def parse_layout(
 
 
 def _probe(workspace: Workspace, side: Side) -> dict[str, Any]:
-    outcome = run_worker(workspace, side, "probe", f"probe-{side.label}", None, 600.0)
-    if outcome.result is None:
+    outcome = run_phase(workspace, side, "probe", f"probe-{side.label}", None, 600.0)
+    if outcome.results[0] is None:
         raise SideError(f"probe of the {side.label} side failed; see {outcome.log}")
-    return outcome.result
+    return outcome.results[0]
 
 
-def _verify_sides(probes: dict[str, dict[str, Any]], dev_mode: bool) -> str | None:
-    """``None`` if upstream is 0.19.2 and the build is a different, +stateadoption megatron-core."""
-    up, build = probes["upstream"]["megatron_core"], probes["build"]["megatron_core"]
-    for label, info in (("upstream", up), ("build", build)):
-        if info.get("error"):
-            return f"the {label} side cannot import megatron.core ({info['error']})"
-    if up["version"] != UPSTREAM_VERSION or up["has_state_adoption"]:
-        return (
-            f"the upstream side must be plain megatron-core {UPSTREAM_VERSION}; it is "
-            f"{up['version']} at {up['file']} (state_adoption present: {up['has_state_adoption']})"
-        )
-    if dev_mode:
-        return None
-    if not (is_stateadoption_version(build["version"]) and build["has_state_adoption"]):
-        return (
-            f"the build side is megatron-core {build['version']} at {build['file']}, not the "
-            f"{UPSTREAM_VERSION}+stateadoption build (state_adoption present: "
-            f"{build['has_state_adoption']}); pass --build DIR|WHEEL or install the build"
-        )
-    if up["file"] == build["file"]:
-        return f"both sides import the same megatron.core ({up['file']})"
-    return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; see the module docstring for exit statuses."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    size = model_size(args)
-    layout = parse_layout(parser, args, size)
-    missing = check_cuda()
-    if missing is None and layout.is_multi_rank:
-        missing = check_gpu_count(max(layout.nproc_per_node, layout.resume_nproc_per_node))
-    if missing is not None:
-        eprint(cannot_run_message(missing))
-        return EXIT_CANNOT_RUN
+def _prepare_sides(
+    args: argparse.Namespace, workspace: Workspace
+) -> tuple[dict[str, Side], dict[str, dict[str, Any]]] | int:
+    """Both sides and their probes, or the exit status that ends the run."""
     cache_dir = args.cache_dir or default_cache_dir()
-    workspace = Workspace(args.work_dir or Path(tempfile.mkdtemp(prefix="resume-benchmark-")))
-    progress(f"workspace (logs, raw results): {workspace.root}")
     dev_mode = bool(args.allow_non_stateadoption_build)
     try:
         sides: dict[str, Side] = {"build": resolve_build(args.build, cache_dir)}
@@ -304,72 +286,73 @@ def main(argv: Sequence[str] | None = None) -> int:
             eprint(cannot_run_message(missing))
             return EXIT_CANNOT_RUN
         build_info = probes["build"]["megatron_core"]
-        if not dev_mode and not is_stateadoption_version(build_info.get("version")):
-            eprint(
-                f"resume_benchmark: refusing to run: the build side's megatron-core is "
-                f"{build_info.get('version')} at {build_info.get('file')}, not the "
-                f"{UPSTREAM_VERSION}+stateadoption build; "
-                "pass --build DIR|WHEEL or install the build."
-            )
+        problem = build_problem(build_info, dev_mode)
+        if problem is not None:
+            eprint(f"resume_benchmark: refusing to run: {problem}")
             return EXIT_WRONG_SIDES
-        sides["upstream"] = resolve_upstream(args.upstream, cache_dir)
+        release = upstream_release(build_info)
+        progress(f"build side: megatron-core {build_info['version']}; upstream must be {release}")
+        sides["upstream"] = resolve_upstream(args.upstream, cache_dir, release)
         probes["upstream"] = _probe(workspace, sides["upstream"])
     except SideError as exc:
         eprint(f"resume_benchmark: {exc}")
         return EXIT_CRASH
-    problem = _verify_sides(probes, dev_mode)
+    problem = sides_problem(
+        probes["upstream"]["megatron_core"], probes["build"]["megatron_core"], dev_mode
+    )
     if problem is not None:
         eprint(f"resume_benchmark: refusing to run: {problem}")
         return EXIT_WRONG_SIDES
-    if dev_mode and not is_stateadoption_version(probes["build"]["megatron_core"]["version"]):
+    if dev_mode and build_release(probes["build"]["megatron_core"]["version"]) is None:
         banner = "!" * 100
         eprint(
             f"{banner}\nWARNING: development mode: the build side is megatron-core "
             f"{probes['build']['megatron_core']['version']} (not +stateadoption). The numbers "
             f"below test the benchmark's mechanics only.\n{banner}"
         )
+    if not probes["build"]["megatron_core"].get("has_outcome_hooks"):
+        eprint(
+            "resume_benchmark: WARNING: the build side's megatron-core has no "
+            "register_outcome_hook, so no rank records which adopter installed the state "
+            "(the 'state installed by' column stays empty)"
+        )
     for label in ("upstream", "build"):
         info = probes[label]["megatron_core"]
         progress(
             f"{label}: megatron-core {info['version']} from {info['file']} ({sides[label].source})"
         )
+    return sides, probes
 
-    started = time.perf_counter()
-    entries = []
-    for case in make_cases(args, size):
-        name = case.name
-        expected_files = {label: probes[label]["megatron_core"]["file"] for label in sides}
-        try:
-            if layout.is_multi_rank:
-                entry = run_multi_rank_case(
-                    workspace,
-                    case,
-                    sides,
-                    expected_files,
-                    args.checkpoint_root,
-                    args.worker_timeout,
-                    layout,
-                )
-            else:
-                entry = run_case(
-                    workspace,
-                    case,
-                    sides,
-                    expected_files,
-                    args.checkpoint_root,
-                    args.worker_timeout,
-                )
-            entries.append(entry)
-        except Exception as exc:  # noqa: BLE001 - one broken case must not hide the others
-            progress(f"{name}: driver error: {one_line(exc)}")
-            entries.append({"case": name, "status": "error", "detail": f"driver: {one_line(exc)}"})
-        progress(
-            f"{name}: {entries[-1]['status']}"
-            + (f" ({entries[-1]['detail']})" if entries[-1].get("detail") else "")
-        )
 
+def _run_one(run: CaseRun, case: BenchmarkCase) -> dict[str, Any]:
+    """One case's entry; a driver error becomes an ``error`` entry instead of ending the run."""
+    try:
+        entry = run_case(run, case)
+    except Exception as exc:  # noqa: BLE001 - one broken case must not hide the others
+        progress(f"{case.name}: driver error: {one_line(exc)}")
+        entry = {
+            "case": case.name,
+            "parallel": run.layout.to_json(),
+            "status": "error",
+            "detail": f"driver: {one_line(exc)}",
+        }
+    progress(f"{case.name}: {entry['status']}" + (f" ({entry['detail']})" if entry.get("detail") else ""))
+    return entry
+
+
+def _document(
+    args: argparse.Namespace,
+    size: ModelSize,
+    layout: ParallelLayout,
+    sides: dict[str, Side],
+    probes: dict[str, dict[str, Any]],
+    workspace: Workspace,
+    entries: list[dict[str, Any]],
+    wall_seconds: float,
+) -> dict[str, Any]:
+    """The JSON document of the run."""
     build_probe = probes["build"]
-    document = {
+    return {
         "environment": {
             "gpu_name": build_probe.get("gpu_name"),
             "driver": build_probe.get("driver"),
@@ -377,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch_cuda": build_probe.get("torch_cuda"),
             "transformer_engine": (build_probe.get("transformer_engine") or {}).get("version"),
             "python": build_probe.get("python"),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         },
         "sides": {
             label: {
@@ -394,15 +378,75 @@ def main(argv: Sequence[str] | None = None) -> int:
             "train_steps": args.train_steps,
             "seed": args.seed,
             "moe_fold_experts": args.moe_fold_experts,
+            "instance_loader": args.instance_loader,
             "cases": args.cases,
-            "dev_mode_build_is_not_stateadoption": dev_mode
-            and not is_stateadoption_version(probes["build"]["megatron_core"]["version"]),
+            "dev_mode_build_is_not_stateadoption": bool(args.allow_non_stateadoption_build)
+            and build_release(probes["build"]["megatron_core"]["version"]) is None,
             "workspace": str(workspace.root),
-            "cases_wall_seconds": time.perf_counter() - started,
-            **({"parallel": layout.to_json()} if layout.is_multi_rank else {}),
+            "cases_wall_seconds": wall_seconds,
+            "parallel": layout.to_json(),
         },
         "cases": entries,
     }
+
+
+def _exit_status(check: bool, entries: list[dict[str, Any]]) -> int:
+    """:data:`EXIT_CRASH` if a case crashed; with ``check``, :data:`EXIT_EXPECTATION_MISSED`
+    (each reason printed) unless every case met its expectation; else :data:`EXIT_OK`."""
+    if any(e["status"] == "error" for e in entries):
+        for entry in entries:
+            if entry["status"] == "error":
+                eprint(f"resume_benchmark: {entry['case']} failed: {entry.get('detail')}")
+        return EXIT_CRASH
+    missed = [e for e in entries if not case_meets_expectations(e)]
+    if check and missed:
+        for entry in missed:
+            for reason in entry.get("failed_expectations") or [entry.get("detail")]:
+                eprint(f"resume_benchmark: --check: {entry['case']}: {reason}")
+        return EXIT_EXPECTATION_MISSED
+    return EXIT_OK
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (e.g. from ``timeout``) ends the run like Ctrl-C: the running phase's process
+    group (its own session) is killed on the way out instead of outliving the driver."""
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; see the module docstring for exit statuses."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    size = model_size(args)
+    layout = parse_layout(parser, args, size)
+    if args.gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus  # before CUDA is initialised here
+    missing = check_cuda()
+    if missing is None:
+        missing = check_gpu_count(layout.gpus_needed)
+    if missing is not None:
+        eprint(cannot_run_message(missing))
+        return EXIT_CANNOT_RUN
+    workspace = Workspace(args.work_dir or Path(tempfile.mkdtemp(prefix="resume-benchmark-")))
+    progress(f"workspace (logs, raw results): {workspace.root}")
+    prepared = _prepare_sides(args, workspace)
+    if isinstance(prepared, int):
+        return prepared
+    sides, probes = prepared
+    run = CaseRun(
+        workspace=workspace,
+        sides=sides,
+        expected_files={label: probes[label]["megatron_core"]["file"] for label in sides},
+        layout=layout,
+        checkpoint_root=args.checkpoint_root,
+        timeout_s=args.worker_timeout,
+    )
+    started = time.perf_counter()
+    entries = [_run_one(run, case) for case in make_cases(args, size)]
+    document = _document(
+        args, size, layout, sides, probes, workspace, entries, time.perf_counter() - started
+    )
     markdown = markdown_report(document)
     text = json_report(document)
     print(text, flush=True)
@@ -411,11 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.markdown_out.write_text(markdown)
     if args.json_out:
         args.json_out.write_text(text)
-    if any(e["status"] == "error" for e in entries):
-        return EXIT_CRASH
-    if args.check and not all(case_meets_expectations(e) for e in entries):
-        return EXIT_EXPECTATION_MISSED
-    return EXIT_OK
+    return _exit_status(args.check, entries)
 
 
 if __name__ == "__main__":

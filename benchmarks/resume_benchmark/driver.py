@@ -1,8 +1,11 @@
-"""Runs every phase of every case in a fresh worker process and collects the results.
+"""Runs the phases of a case in fresh worker processes and collects every rank's result.
 
-Per case: train+save+control (build side), then resume with upstream, then resume with the
-build, all against one ``torch_dist`` checkpoint kept under ``/dev/shm`` when it fits (else a
-temporary directory) and deleted after the case.
+One case is one story: train+save+control (build side), then resume with upstream, then
+resume with the build, all against one ``torch_dist`` checkpoint kept under ``/dev/shm`` when
+it fits (else a temporary directory) and deleted after the case. Each phase is one launch on
+the layout's ranks (:func:`.launch.worker_command`: a plain process on one rank,
+``torch.distributed.run`` on several); every rank writes its own result, and
+:func:`.summary.summarize_case` turns them into the case's report entry.
 """
 
 from __future__ import annotations
@@ -15,41 +18,63 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from benchmarks.resume_benchmark.cases import BenchmarkCase
-from benchmarks.resume_benchmark.launch import rank_result_path, worker_command
+from benchmarks.resume_benchmark.launch import (
+    RANK_LINE_PREFIX,
+    ParallelLayout,
+    rank_result_path,
+    worker_command,
+)
 from benchmarks.resume_benchmark.results import PROGRESS_MARKER, progress, read_json, write_json
 from benchmarks.resume_benchmark.sides import Side, worker_environment
-from benchmarks.resume_benchmark.summary import summarize_case
+from benchmarks.resume_benchmark.summary import RESUME_SIDES, summarize_case
 
 #: Package directory that workers import ``benchmarks.resume_benchmark`` from.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 REPO_ROOT = PACKAGE_ROOT.parent
 
 #: Log lines from workers that the driver echoes besides progress lines.
-_ECHO_SUBSTRINGS = ("state_adoption", "Traceback", "Error:")
+_ECHO_SUBSTRINGS = ("state_adoption", "Traceback", "Error:", "FAILED")
+
+#: Log lines shown per rank (and of the launcher itself) when a phase fails.
+_FAILURE_TAIL_LINES = 25
 
 #: Checkpoint bytes per model parameter (BF16 weights + FP32 main params + two FP32 moments),
 #: with headroom; used to decide whether /dev/shm can hold the checkpoint.
 _CHECKPOINT_BYTES_PER_PARAM = 16
 
+Result = dict[str, Any]
+
 
 @dataclass(frozen=True)
-class WorkerOutcome:
-    """What one worker process (or one ``torchrun`` launch of several ranks) left behind.
-
-    ``result`` is the single process's result, or rank 0's; ``rank_results`` holds every rank's
-    result in a multi-rank launch (empty for a single process).
-    """
+class PhaseOutcome:
+    """What one phase launch left behind: exit status, every rank's result (None: no file)."""
 
     returncode: int
-    result: dict[str, Any] | None
+    results: tuple[Result | None, ...]
     log: Path
     seconds: float
-    rank_results: tuple[dict[str, Any] | None, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Exit status 0 and a result from every rank."""
+        return self.returncode == 0 and all(r is not None for r in self.results)
+
+    def results_or_errors(self) -> list[Result]:
+        """Every rank's result; a rank without one gets an ``error`` record naming the log."""
+        return [
+            result
+            or {
+                "error": f"rank {rank}: worker exited {self.returncode} without a result "
+                f"(see {self.log})"
+            }
+            for rank, result in enumerate(self.results)
+        ]
 
 
 class Workspace:
@@ -76,34 +101,34 @@ class Workspace:
 
 
 def _pump(stream: TextIO, log: TextIO, prefix: str) -> None:
+    """Copy the worker's output to its log; echo progress lines and problems to stdout."""
     for line in stream:
         log.write(line)
         log.flush()
         text = line.rstrip("\n")
-        if text.startswith(PROGRESS_MARKER):
-            print(text, flush=True)
+        if PROGRESS_MARKER in text:
+            print(text[text.index(PROGRESS_MARKER) :], flush=True)
         elif any(s in text for s in _ECHO_SUBSTRINGS):
             print(f"{prefix} {text}", flush=True)
 
 
-def run_worker(
+def run_phase(
     workspace: Workspace,
     side: Side,
     phase: str,
     name: str,
-    spec: dict[str, Any] | None,
+    spec: Mapping[str, Any] | None,
     timeout_s: float,
-    nproc: int | None = None,
-) -> WorkerOutcome:
-    """Run ``worker --phase phase`` for ``side`` in a fresh process; wait, log, read its result.
+    nproc: int = 1,
+) -> PhaseOutcome:
+    """Run ``worker --phase phase`` for ``side`` on ``nproc`` ranks; wait, log, read results.
 
-    ``nproc`` ``None``: one plain process. Otherwise ``torch.distributed.run`` with ``nproc``
-    ranks in a new session (killed as a group on timeout); every rank's result is read.
+    The launch runs in its own session and is killed as a group after ``timeout_s``.
     """
     result_path = workspace.path(f"{name}.result.json")
     log_path = workspace.path(f"{name}.log")
-    rank_paths = [rank_result_path(result_path, r) for r in range(nproc or 0)]
-    for path in (result_path, *rank_paths):
+    rank_paths = [rank_result_path(result_path, r) for r in range(nproc)]
+    for path in rank_paths:
         path.unlink(missing_ok=True)
     spec_path = None
     if spec is not None:
@@ -122,7 +147,7 @@ def run_worker(
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            start_new_session=nproc is not None,
+            start_new_session=True,
         )
         assert proc.stdout is not None
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, f"  [{name}]"), daemon=True)
@@ -130,34 +155,56 @@ def run_worker(
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill(proc, group=nproc is not None)
+            _kill_group(proc)
             returncode = proc.wait()
-            log.write(f"\n# killed after {timeout_s:.0f} s\n")
+            log.write(f"\n# killed after {timeout_s:.0f} s (--worker-timeout)\n")
+        except BaseException:  # e.g. Ctrl-C: the worker's own session would outlive the driver
+            _kill_group(proc)
+            raise
         pump.join(timeout=30)
     seconds = time.perf_counter() - started
-    if nproc is None:
-        result = read_json(result_path) if result_path.is_file() else None
-        return WorkerOutcome(returncode, result, log_path, seconds)
-    ranks = tuple(read_json(p) if p.is_file() else None for p in rank_paths)
-    return WorkerOutcome(returncode, ranks[0], log_path, seconds, ranks)
+    results = tuple(read_json(p) if p.is_file() else None for p in rank_paths)
+    return PhaseOutcome(returncode, results, log_path, seconds)
 
 
-def _kill(proc: subprocess.Popen[str], group: bool) -> None:
-    """Kill the worker; a ``torchrun`` launch (its own session) with all its ranks."""
-    if group:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return
-        except ProcessLookupError:
-            pass
-    proc.kill()
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kill the worker and everything it started (a launcher's ranks too)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        proc.kill()
 
 
-def report_failure(outcome: WorkerOutcome, what: str) -> None:
-    """Print that ``what`` failed and the last lines of its log."""
-    tail = outcome.log.read_text(errors="replace").splitlines()[-25:]
-    progress(f"{what} FAILED (exit {outcome.returncode}); last log lines from {outcome.log}:")
-    for line in tail:
+def failure_tail(log_text: str, lines: int = _FAILURE_TAIL_LINES) -> list[str]:
+    """The last ``lines`` lines of every rank (by its ``[rank<r>]: `` prefix) and of the rest.
+
+    On one rank that is simply the log's last lines; on several, one rank's traceback cannot
+    be pushed out of view by another rank's output.
+    """
+    groups: dict[str, list[str]] = {}
+    for line in log_text.splitlines():
+        match = RANK_LINE_PREFIX.match(line)
+        groups.setdefault(f"rank {match[1]}" if match else "", []).append(line)
+    tail = []
+    for key in sorted(groups, key=lambda k: (k != "", len(k), k)):
+        if key:
+            tail.append(f"--- {key}:")
+        tail += groups[key][-lines:]
+    return tail
+
+
+def report_failure(outcome: PhaseOutcome, what: str) -> None:
+    """Print that ``what`` failed, which ranks left no result, and the log's tail per rank."""
+    missing = [str(r) for r, result in enumerate(outcome.results) if result is None]
+    failed = [
+        str(r) for r, result in enumerate(outcome.results) if result is not None and "error" in result
+    ]
+    progress(
+        f"{what} FAILED (exit {outcome.returncode}; ranks without a result: "
+        f"{', '.join(missing) or 'none'}; ranks reporting an error: {', '.join(failed) or 'none'}); "
+        f"log: {outcome.log}"
+    )
+    for line in failure_tail(outcome.log.read_text(errors="replace")):
         print(f"    {line}", flush=True)
 
 
@@ -177,69 +224,65 @@ def checkpoint_root(requested: Path | None, case: BenchmarkCase) -> Path:
     return Path(tempfile.gettempdir())
 
 
-def check_side_import(outcome: WorkerOutcome, side: Side, expected_file: str | None) -> None:
-    """Raise if any process (any rank) imported ``megatron.core`` from an unexpected file."""
+def check_side_import(outcome: PhaseOutcome, side: Side, expected_file: str | None) -> None:
+    """Raise if any rank imported ``megatron.core`` from another file than the side's probe."""
     if expected_file is None:
         return
-    for result in outcome.rank_results or (outcome.result,):
-        if result is None:
-            continue
-        got = (result.get("megatron_core") or {}).get("file")
+    for rank, result in enumerate(outcome.results):
+        got = ((result or {}).get("megatron_core") or {}).get("file")
         if got is not None and got != expected_file:
             raise RuntimeError(
-                f"{side.label} worker imported megatron.core from {got}, expected {expected_file}"
+                f"{side.label} worker rank {rank} imported megatron.core from {got}, "
+                f"expected {expected_file}"
             )
 
 
-def run_case(
-    workspace: Workspace,
-    case: BenchmarkCase,
-    sides: dict[str, Side],
-    expected_files: dict[str, str | None],
-    requested_checkpoint_root: Path | None,
-    timeout_s: float,
-) -> dict[str, Any]:
-    """Train+save+control, resume upstream, resume build; return the case's summary entry."""
-    root = checkpoint_root(requested_checkpoint_root, case)
+@dataclass(frozen=True)
+class CaseRun:
+    """What every phase of one case needs besides the case itself."""
+
+    workspace: Workspace
+    sides: Mapping[str, Side]
+    expected_files: Mapping[str, str | None]
+    layout: ParallelLayout
+    checkpoint_root: Path | None
+    timeout_s: float
+
+
+def _phase(run: CaseRun, label: str, phase: str, name: str, spec: Mapping[str, Any]) -> PhaseOutcome:
+    """One phase of one side on the layout's ranks, with progress and failure reporting."""
+    nproc = run.layout.phase_nproc(phase)
+    ranks = f"{nproc} rank{'s' if nproc > 1 else ''}"
+    progress(f"{name}: {phase} ({label} side, fresh process, {ranks})")
+    outcome = run_phase(run.workspace, run.sides[label], phase, name, spec, run.timeout_s, nproc)
+    check_side_import(outcome, run.sides[label], run.expected_files[label])
+    if not outcome.ok:
+        report_failure(outcome, f"{name} ({label} side, {ranks})")
+    progress(f"{name}: {phase} ({label} side, {ranks}) finished in {outcome.seconds:.1f} s")
+    return outcome
+
+
+def run_case(run: CaseRun, case: BenchmarkCase) -> dict[str, Any]:
+    """Train+save+control, resume upstream, resume build; return the case's report entry."""
+    root = checkpoint_root(run.checkpoint_root, case)
     holder = Path(tempfile.mkdtemp(prefix=f"resume-benchmark-{case.name}-", dir=root))
-    spec_base = {"case": case.to_json(), "checkpoint_dir": str(holder / "checkpoint")}
-    resumed: dict[str, dict[str, Any] | None] = {}
+    spec = {
+        "case": case.to_json(),
+        "checkpoint_dir": str(holder / "checkpoint"),
+        "parallel": run.layout.to_json(),
+    }
+    resumed: dict[str, list[Result]] = {}
     try:
-        progress(f"{case.name}: phase train+save+control (build side), checkpoint under {holder}")
-        control = run_worker(
-            workspace,
-            sides["build"],
-            "train",
-            f"{case.name}.control",
-            {**spec_base, "side": "control"},
-            timeout_s,
-        )
-        check_side_import(control, sides["build"], expected_files["build"])
-        if control.returncode != 0 or control.result is None:
-            report_failure(control, f"{case.name}: train+save+control")
-        progress(f"{case.name}: train+save+control finished in {control.seconds:.1f} s")
-        saved = control.result is not None and (control.result.get("save") or {}).get("ok")
-        if control.returncode == 0 and saved:
-            for label in ("upstream", "build"):
-                progress(f"{case.name}: phase resume ({label}, fresh process)")
-                outcome = run_worker(
-                    workspace,
-                    sides[label],
-                    "resume",
-                    f"{case.name}.resume-{label}",
-                    {**spec_base, "side": label},
-                    timeout_s,
-                )
-                check_side_import(outcome, sides[label], expected_files[label])
-                if outcome.returncode != 0 or outcome.result is None:
-                    report_failure(outcome, f"{case.name}: resume ({label})")
-                resumed[label] = outcome.result or {
-                    "error": f"worker exited {outcome.returncode} without a result "
-                    f"(see {outcome.log})"
-                }
-                progress(f"{case.name}: resume ({label}) finished in {outcome.seconds:.1f} s")
-        entry = summarize_case(case, control.result, resumed)
+        progress(f"{case.name}: checkpoint under {holder}")
+        control = _phase(run, "build", "train", f"{case.name}.control", {**spec, "side": "control"})
+        saved = all((r or {}).get("save", {}).get("ok") for r in control.results)
+        if control.ok and saved:
+            for label in RESUME_SIDES:
+                name = f"{case.name}.resume-{label}"
+                outcome = _phase(run, label, "resume", name, {**spec, "side": label})
+                resumed[label] = outcome.results_or_errors()
+        entry = summarize_case(case, run.layout, list(control.results), resumed)
     finally:
         shutil.rmtree(holder, ignore_errors=True)
-    entry["logs"] = str(workspace.root)
+    entry["logs"] = str(run.workspace.root)
     return entry

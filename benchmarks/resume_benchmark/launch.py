@@ -2,15 +2,15 @@
 
 Pure Python (no torch): the driver and the CPU tests use it on any machine.
 
-With one rank for every phase (the default) nothing changes from the single-rank benchmark:
-each phase is ``python -m benchmarks.resume_benchmark.worker ...`` and writes one result file.
-Otherwise each phase is launched through ``python -m torch.distributed.run --standalone
---nproc-per-node N -m benchmarks.resume_benchmark.worker ...`` and every rank writes its own
-result file (:func:`rank_result_path`).
+A phase on one rank is the plain process ``python -m benchmarks.resume_benchmark.worker ...``;
+on N > 1 ranks it is one ``python -m torch.distributed.run --standalone --nproc-per-node N
+-m benchmarks.resume_benchmark.worker ...`` launch whose console lines carry their rank
+(``[rank<r>]: ``). Either way every rank writes its own result file (:func:`rank_result_path`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +25,14 @@ from benchmarks.resume_benchmark.cases import (
 #: The worker module every phase runs.
 WORKER_MODULE: Final = "benchmarks.resume_benchmark.worker"
 
-#: Sharding formats whose ``torch_dist`` checkpoint Megatron-Core 0.19.2 can load at another
-#: data-parallel size (see docs/multi-gpu.md for the code paths this is read from):
+#: How ``torch.distributed.run`` prefixes each console line of a rank (``--tee 3``).
+RANK_LINE_PREFIX_TEMPLATE: Final = "[rank${rank}]: "
+#: Matches that prefix; group 1 is the global rank.
+RANK_LINE_PREFIX: Final = re.compile(r"^\[rank(\d+)\]: ")
+
+#: Sharding formats whose ``torch_dist`` checkpoint Megatron-Core can load at another
+#: data-parallel size (read from 0.19.2, see docs/multi-gpu.md; 0.16.1 and 0.18.2 have the same
+#: formats and load branches):
 #:
 #: * ``fully_reshardable``: model-space tensors, every rank loads and slices its range
 #:   (``DistributedOptimizer.checkpoint_fully_reshardable_formats``; TP/PP may change too);
@@ -41,8 +47,8 @@ DP_RESHARDABLE_FORMATS: Final[frozenset[str]] = frozenset(
 #: Why the remaining format is refused for a resume at another DP size.
 _NOT_DP_RESHARDABLE_WHY: Final[Mapping[str, str]] = {
     "fully_sharded_model_space": "megatron-core 0.19.2 cannot save it at all "
-    "(CheckpointingException: ShardedTensor.flattened_range is not supported), so there is "
-    "no checkpoint to reshard",
+    "(CheckpointingException: ShardedTensor.flattened_range is not supported; 0.16.1 and "
+    "0.18.2 have the same check), so there is no checkpoint to reshard",
 }
 
 
@@ -64,9 +70,9 @@ class ParallelLayout:
     resume_nproc_per_node: int = 1
 
     @property
-    def is_multi_rank(self) -> bool:
-        """Whether any phase uses ``torch.distributed.run`` (False: today's single-rank path)."""
-        return self.nproc_per_node > 1 or self.resume_nproc_per_node > 1
+    def single_rank(self) -> bool:
+        """Whether every phase runs on one rank (plain worker processes, no launcher)."""
+        return self.nproc_per_node == 1 and self.resume_nproc_per_node == 1
 
     @property
     def resharded(self) -> bool:
@@ -77,13 +83,14 @@ class ParallelLayout:
         """Dense data-parallel size at ``nproc`` ranks (world / TP)."""
         return nproc // self.tensor_model_parallel_size
 
-    def expert_data_parallel_size(self, nproc: int) -> int:
-        """Expert data-parallel size at ``nproc`` ranks: world / (expert TP x EP); eTP = TP."""
-        return nproc // (self.tensor_model_parallel_size * self.expert_model_parallel_size)
-
     def phase_nproc(self, phase: str) -> int:
         """Ranks that run ``phase`` (``train`` or ``resume``)."""
         return self.resume_nproc_per_node if phase == "resume" else self.nproc_per_node
+
+    @property
+    def gpus_needed(self) -> int:
+        """GPUs the largest phase needs (one per rank)."""
+        return max(self.nproc_per_node, self.resume_nproc_per_node)
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (worker spec and report settings)."""
@@ -162,6 +169,13 @@ def _check_cases(layout: ParallelLayout, cases: Sequence[BenchmarkCase]) -> None
     if layout.resharded:
         for case in cases:
             refuse_dp_resharding(case.sharding_format, case.name)
+    with_loader = [c.name for c in cases if c.instance_loader is not None and c.precision_aware]
+    if with_loader:
+        raise LayoutError(
+            f"--instance-loader emulates a loader for FusedAdam with FP32 moments; drop "
+            f"{', '.join(with_loader)} from --cases (PyTorch's loader alone would not convert "
+            "its BF16 moments)"
+        )
 
 
 def refuse_dp_resharding(sharding_format: str, case_name: str) -> None:
@@ -208,16 +222,29 @@ def worker_command(
     phase: str,
     result_path: Path,
     spec_path: Path | None,
-    nproc: int | None,
+    nproc: int = 1,
 ) -> list[str]:
-    """The command of one phase.
+    """The command of one phase on ``nproc`` ranks of this node.
 
-    ``nproc`` ``None``: one plain process (the single-rank benchmark's exact command).
-    Otherwise ``torch.distributed.run --standalone`` with ``nproc`` ranks on this node.
+    One rank: the plain process ``python -m benchmarks.resume_benchmark.worker ...``. More:
+    ``torch.distributed.run --standalone``, every rank's output on the launcher's console with
+    its rank prefixed (:data:`RANK_LINE_PREFIX_TEMPLATE`).
     """
+    if nproc < 1:
+        raise ValueError(f"a phase needs at least one rank, got {nproc}")
     launcher = [python]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    if nproc > 1:
+        launcher += [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "--tee",
+            "3",
+            "--log-line-prefix-template",
+            RANK_LINE_PREFIX_TEMPLATE,
+        ]
     command = [*launcher, "-m", WORKER_MODULE, "--phase", phase, "--result", str(result_path)]
     if spec_path is not None:
         command += ["--spec", str(spec_path)]

@@ -5,8 +5,9 @@ parameters (``Float16Module``), wrapped in ``DistributedDataParallel`` with
 ``use_distributed_optimizer=True``. The optimizer comes from ``get_megatron_optimizer``; with
 Transformer Engine installed its inner optimizer is TE's ``FusedAdam``.
 
-GPU tests may use :func:`build_gpt_and_optimizer` directly; it initialises a one-rank NCCL world
-and Megatron's parallel state on first use (see :mod:`.runtime`).
+GPU tests may use :func:`build_gpt_and_optimizer` directly; it initialises NCCL and Megatron's
+parallel state on first use (one rank, or this rank of a ``torch.distributed.run`` launch; see
+:mod:`.runtime`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -25,11 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from benchmarks.resume_benchmark.cases import BenchmarkCase
 from benchmarks.resume_benchmark.launch import ParallelLayout
-from benchmarks.resume_benchmark.runtime import (
-    initialize_single_rank,
-    initialize_torchrun_rank,
-    seed_everything,
-)
+from benchmarks.resume_benchmark.runtime import initialize_rank, seed_everything
+from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
 #: Optimizer hyper-parameters shared by every case (constant LR, no scheduler).
@@ -40,20 +39,14 @@ ADAM_EPS = 1.0e-8
 CLIP_GRAD = 1.0
 
 
-def transformer_config(
-    case: BenchmarkCase, layout: ParallelLayout | None = None
-) -> TransformerConfig:
-    """The GPT's ``TransformerConfig``: BF16, dropout 0, deterministic, optional MoE.
-
-    ``layout`` (multi-rank runs only) adds its tensor- and expert-model-parallel sizes.
-    """
+def transformer_config(case: BenchmarkCase, layout: ParallelLayout) -> TransformerConfig:
+    """The GPT's ``TransformerConfig``: BF16, dropout 0, deterministic, the layout's TP and EP
+    sizes, optional MoE."""
     size = case.size
-    extra_kwargs: dict[str, object] = {}
-    if layout is not None:
-        extra_kwargs = {
-            "tensor_model_parallel_size": layout.tensor_model_parallel_size,
-            "expert_model_parallel_size": layout.expert_model_parallel_size,
-        }
+    extra_kwargs: dict[str, object] = {
+        "tensor_model_parallel_size": layout.tensor_model_parallel_size,
+        "expert_model_parallel_size": layout.expert_model_parallel_size,
+    }
     if case.moe:
         extra_kwargs |= {
             "num_moe_experts": size.num_experts,
@@ -148,21 +141,15 @@ def build_gpt_and_optimizer(
 ) -> tuple[list[DistributedDataParallel], MegatronOptimizer]:
     """Build the case's GPT model chunks (one, DDP-wrapped) and its Megatron optimizer.
 
-    Initialises a one-rank NCCL world and Megatron's parallel state if needed, then re-seeds
-    every RNG with ``case.seed`` so that each process builds bit-identical initial weights.
-    For ``case.moe`` the optimizer is a ``ChainedOptimizer`` of a dense and an expert
-    ``DistributedOptimizer`` (see :func:`tag_expert_parameters`; ``case.moe_fold_experts``
-    keeps Megatron's one-rank default of a single DistributedOptimizer instead).
-
-    ``layout`` ``None`` is the single-rank benchmark; otherwise this process is one rank of a
-    ``torch.distributed.run`` launch with the layout's TP and EP sizes.
+    Initialises NCCL and Megatron's parallel state with the layout's TP and EP sizes if needed
+    (``None``: one rank, TP = EP = 1), then re-seeds every RNG with ``case.seed`` so that each
+    process builds bit-identical initial weights. For ``case.moe`` the optimizer is a
+    ``ChainedOptimizer`` of a dense and an expert ``DistributedOptimizer`` (see
+    :func:`tag_expert_parameters`; ``case.moe_fold_experts`` keeps Megatron's one-rank default
+    of a single DistributedOptimizer instead).
     """
-    if layout is None:
-        initialize_single_rank(case.seed)
-    else:
-        initialize_torchrun_rank(
-            case.seed, layout.tensor_model_parallel_size, layout.expert_model_parallel_size
-        )
+    layout = layout or ParallelLayout()
+    initialize_rank(case.seed, layout.tensor_model_parallel_size, layout.expert_model_parallel_size)
     seed_everything(case.seed)
     config = transformer_config(case, layout)
     spec = get_gpt_layer_local_spec(
@@ -201,24 +188,53 @@ def distributed_optimizers(optimizer: MegatronOptimizer) -> Iterator[Distributed
         raise TypeError(f"expected a (Chained)DistributedOptimizer, got {type(optimizer).__name__}")
 
 
+def inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
+    """The inner optimizer (TE's ``FusedAdam``) of every DistributedOptimizer, in chain order."""
+    return [dist_opt.optimizer for dist_opt in distributed_optimizers(optimizer)]
+
+
 def optimizer_parameter_count(optimizer: MegatronOptimizer) -> int:
     """Elements of every inner-optimizer parameter on this rank (the FP32 main-param shards)."""
     return sum(
         int(param.numel())
-        for dist_opt in distributed_optimizers(optimizer)
-        for group in dist_opt.optimizer.param_groups
+        for inner in inner_optimizers(optimizer)
+        for group in inner.param_groups
         for param in group["params"]
     )
 
 
 def model_parameter_count(model_chunks: list[DistributedDataParallel]) -> int:
-    """Total elements of the model's parameters (the model size)."""
+    """Elements of the model parameters this rank holds (its shards and its replicas)."""
     return sum(int(p.numel()) for chunk in model_chunks for p in chunk.parameters())
+
+
+def _counts_toward_total(param: torch.nn.Parameter) -> bool:
+    """Whether this rank counts ``param`` in the model total: one replica of every shard.
+
+    Expert parameters (``allreduce = False``) are replicated over the expert data-parallel
+    group, dense ones over the data-parallel group; tensor-parallel shards
+    (``tensor_model_parallel``) are distinct on every TP rank, the rest is replicated over TP.
+    """
+    expert = not getattr(param, "allreduce", True)
+    if expert:
+        dp_rank = parallel_state.get_expert_data_parallel_rank()
+        tp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    else:
+        dp_rank = parallel_state.get_data_parallel_rank()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    return dp_rank == 0 and (bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0)
+
+
+def model_parameter_total(model_chunks: list[DistributedDataParallel]) -> int:
+    """The model's parameter count over all ranks (collective; one rank: its own count)."""
+    owned = sum(
+        int(p.numel()) for chunk in model_chunks for p in chunk.parameters() if _counts_toward_total(p)
+    )
+    total = torch.tensor([owned], dtype=torch.int64, device=torch.cuda.current_device())
+    torch.distributed.all_reduce(total)
+    return int(total.item())
 
 
 def inner_optimizer_class_names(optimizer: MegatronOptimizer) -> list[str]:
     """Qualified class names of the inner optimizers (expect TE's ``FusedAdam``)."""
-    return [
-        f"{type(d.optimizer).__module__}.{type(d.optimizer).__qualname__}"
-        for d in distributed_optimizers(optimizer)
-    ]
+    return [f"{type(o).__module__}.{type(o).__qualname__}" for o in inner_optimizers(optimizer)]

@@ -1,9 +1,11 @@
-"""The benchmark's Markdown table and JSON document.
+"""The benchmark's Markdown table and JSON document, and merging the documents of several runs.
 
-The ``state installed by`` column (which adopter, or the optimizer's own loader, installed the
-state on each resume side) and the registered-adopters line appear only when some resume side
-recorded ``state_adoption`` (:mod:`.adoption`); documents from before that field render as they
-always did, and rows without it show "—" next to rows that have it.
+One row per case, side and rank: the control's ranks, then upstream's, then the build's. A
+``rank`` column and the layout in the case cell (e.g. ``moe (2 DistributedOptimizers) [TP 1,
+EP 2, DP 2]``) appear only when some case ran on more than one rank. Optional columns appear
+only when some row has their value: ``state installed by`` (a resume recorded
+``state_adoption``) and ``load peak ≤ step N+1 peak``. Documents written before the current
+entry shape (:mod:`.legacy`) render exactly as they always did.
 """
 
 from __future__ import annotations
@@ -15,37 +17,34 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.resume_benchmark.adoption import adopters_text, installed_by_text
-from benchmarks.resume_benchmark.rank_summary import is_multi_rank_entry
+from benchmarks.resume_benchmark.adoption import adopters_text, installed_by_text, load_outcomes
+from benchmarks.resume_benchmark.launch import ParallelLayout
+from benchmarks.resume_benchmark.legacy import current_entry
 
 MIB = float(1 << 20)
 _DASH = "—"
 
+_CASE, _SIDE, _RANK = "case", "side", "rank"
+_VERSION, _PARAMS, _BASELINE = "megatron-core", "params on rank", "pre-load baseline MiB"
+_PEAK, _OVER, _PER_PARAM = "load peak MiB", "peak − baseline MiB", "B/param over baseline"
+_AVOIDED, _RATIO = "avoided vs upstream MiB", "avoided ÷ (8 B × params)"
+_INSTALLED, _TRAIN_PEAK = "state installed by", "train peak MiB (steps 1–N)"
+_STEP_PEAK, _WITHIN = "step N+1 peak MiB", "load peak ≤ step N+1 peak"
+_LOAD_S, _RESTORED, _NEXT = "load s", "restored state equal", "next step equal"
+
+#: Every column, in table order.
 _COLUMNS = (
-    "case",
-    "side",
-    "megatron-core",
-    "params on rank",
-    "pre-load baseline MiB",
-    "load peak MiB",
-    "peak − baseline MiB",
-    "B/param over baseline",
-    "avoided vs upstream MiB",
-    "avoided ÷ (8 B × params)",
-    "state installed by",
-    "train peak MiB (steps 1–N)",
-    "step N+1 peak MiB",
-    "load s",
-    "restored state equal",
-    "next step equal",
-)
+    _CASE, _SIDE, _RANK, _VERSION, _PARAMS, _BASELINE, _PEAK, _OVER, _PER_PARAM, _AVOIDED,
+    _RATIO, _INSTALLED, _TRAIN_PEAK, _STEP_PEAK, _WITHIN, _LOAD_S, _RESTORED, _NEXT,
+)  # fmt: skip
 
-
-#: Index of ``state installed by`` in :data:`_COLUMNS` (and in every row before its rank cell).
-_ADOPTION_AT = _COLUMNS.index("state installed by")
+#: Columns shown only when some row has a value for them.
+_OPTIONAL = frozenset({_RANK, _INSTALLED, _WITHIN})
 
 #: The ratio cell of a build row whose saving is not predicted.
 NOT_PREDICTED = "not predicted (extra adopters)"
+
+Row = dict[str, Any]
 
 
 def _mib(value: Any) -> str:
@@ -58,92 +57,107 @@ def _yes(value: Any) -> str:
     return "yes" if value else "**NO**"
 
 
-def _row(cells: Iterable[Any]) -> str:
+def _markdown_row(cells: Iterable[Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def _case_cells(entry: Mapping[str, Any]) -> list[list[Any]]:
-    """The table rows (as cells) of one single-rank entry."""
-    name = entry["case"]
+def _layout(entry: Mapping[str, Any]) -> ParallelLayout:
+    return ParallelLayout.from_json(entry["parallel"])
+
+
+def _layout_text(entry: Mapping[str, Any]) -> str:
+    """`` [TP 1, EP 2, DP 2 → 1]`` for an entry on several ranks; empty on one rank."""
+    if _layout(entry).single_rank:
+        return ""
+    par = entry["parallel"]
+    dp = f"DP {par['data_parallel_size']}"
+    if par["resharded"]:
+        dp += f" → {par['resume_data_parallel_size']}"
+    return (
+        f" [TP {par['tensor_model_parallel_size']}, EP {par['expert_model_parallel_size']}, {dp}]"
+    )
+
+
+def _case_name(entry: Mapping[str, Any]) -> str:
+    """The case cell: name, DistributedOptimizer count when chained, the instance-level loader
+    when one was installed, layout on several ranks."""
+    notes = []
     optimizers = len(entry.get("inner_optimizers") or [])
     if optimizers > 1:
-        name = f"{name} ({optimizers} DistributedOptimizers)"
-    if entry["status"] != "ok" and "sides" not in entry:
-        control = entry.get("control", {})
-        params = entry.get("params_on_rank")
-        return [_failed_control_cells(name, control, params, entry)]
-    control = entry["control"]
-    rows = [_control_cells(name, control, entry["params_on_rank"])]
-    for label, side in entry["sides"].items():
-        rows.append(_side_cells(name, label, side, entry if label == "build" else None))
-    return rows
+        notes.append(f"{optimizers} DistributedOptimizers")
+    if entry.get("instance_loader"):
+        notes.append(f"{entry['instance_loader']} instance loader")
+    name = str(entry["case"]) + (f" ({', '.join(notes)})" if notes else "")
+    return name + _layout_text(entry)
 
 
-def _failed_control_cells(
+def _failed_control_row(
     name: str, control: Mapping[str, Any], params: int | None, entry: Mapping[str, Any]
-) -> list[Any]:
-    """The one row of a case whose control failed or whose format cannot be saved."""
-    return [
-        name,
-        "control",
-        control.get("megatron_core", {}).get("version", _DASH),
-        _DASH if params is None else f"{params:,}",
-        entry.get("detail") or entry["status"],
-        *([_DASH] * 6),
-        _mib(control.get("train_peak_bytes")),
-        *([_DASH] * 4),
-    ]
+) -> Row:
+    """The row of a control rank that failed or whose format cannot be saved."""
+    return {
+        _CASE: name,
+        _SIDE: "control",
+        _RANK: control.get("rank", _DASH),
+        _VERSION: control.get("megatron_core", {}).get("version", _DASH),
+        _PARAMS: _DASH if params is None else f"{params:,}",
+        _BASELINE: entry.get("detail") or entry["status"],
+        _TRAIN_PEAK: _mib(control.get("train_peak_bytes")),
+    }
 
 
-def _control_cells(name: str, control: Mapping[str, Any], params: int) -> list[Any]:
-    """The uninterrupted run's row."""
-    return [
-        name,
-        "control (uninterrupted)",
-        control["megatron_core"]["version"],
-        f"{params:,}",
-        *([_DASH] * 7),
-        _mib(control["train_peak_bytes"]),
-        _mib(control.get("next_step_peak_bytes")),
-        _DASH,
-        _DASH,
-        _DASH,
-    ]
+def _control_row(name: str, control: Mapping[str, Any]) -> Row:
+    """The uninterrupted run's row of one rank."""
+    return {
+        _CASE: name,
+        _SIDE: "control (uninterrupted)",
+        _RANK: control["rank"],
+        _VERSION: control["megatron_core"]["version"],
+        _PARAMS: f"{control['params_on_rank']:,}",
+        _TRAIN_PEAK: _mib(control["train_peak_bytes"]),
+        _STEP_PEAK: _mib(control.get("next_step_peak_bytes")),
+    }
 
 
-def _side_cells(
+def _side_row(
     name: str,
     label: str,
     side: Mapping[str, Any],
     saving: Mapping[str, Any] | None,
-    equal_notes: tuple[str, str] = ("", ""),
-) -> list[Any]:
+    equal_notes: tuple[str, str],
+) -> Row:
     """A resume row; ``saving`` (build rows only) holds the bytes avoided versus upstream.
 
-    ``equal_notes`` are appended to the two equality cells (multi-rank resharded rows say what
-    they compare).
+    ``equal_notes`` are appended to the two equality cells (resharded rows say what they
+    compare).
     """
+    row: Row = {_CASE: name, _SIDE: label, _RANK: side["rank"]}
     if side["status"] != "ok":
         status = side["status"] + (f": {side['error']}" if side.get("error") else "")
-        return [name, label, _DASH, _DASH, status, *([_DASH] * 11)]
-    return [
-        name,
-        label,
-        side["megatron_core"]["version"],
-        f"{side['params_on_rank']:,}",
-        _mib(side["baseline_bytes"]),
-        _mib(side["load_peak_bytes"]),
-        _mib(side["load_over_baseline_bytes"]),
-        f"{side['load_over_baseline_bytes_per_param']:.2f}",
-        _mib(saving.get("bytes_avoided")) if saving is not None else _DASH,
-        _ratio_cell(saving, side["params_on_rank"]),
-        _installed_cell(side),
-        _DASH,
-        _mib(side["next_step_peak_bytes"]),
-        f"{side['load_seconds']:.2f}",
-        _yes(side["restored_state_equal"]) + equal_notes[0],
-        _yes(side["next_step_equal"]) + equal_notes[1],
-    ]
+        return {**row, _BASELINE: status}
+    params = side["params_on_rank"]
+    row.update(
+        {
+            _VERSION: side["megatron_core"]["version"],
+            _PARAMS: f"{params:,}",
+            _BASELINE: _mib(side["baseline_bytes"]),
+            _PEAK: _mib(side["load_peak_bytes"]),
+            _OVER: _mib(side["load_over_baseline_bytes"]),
+            _PER_PARAM: f"{side['load_over_baseline_bytes_per_param']:.2f}",
+            _AVOIDED: _mib(saving.get("bytes_avoided")) if saving is not None else _DASH,
+            _RATIO: _ratio_cell(saving, params),
+            _STEP_PEAK: _mib(side["next_step_peak_bytes"]),
+            _LOAD_S: f"{side['load_seconds']:.2f}",
+            _RESTORED: _yes(side["restored_state_equal"]) + equal_notes[0],
+            _NEXT: _yes(side["next_step_equal"]) + equal_notes[1],
+        }
+    )
+    calls = side["instance_loader"]["calls"] if "instance_loader" in side else None
+    if "state_adoption" in side or calls is not None:
+        row[_INSTALLED] = installed_by_text(side.get("state_adoption"), calls) or _DASH
+    if "load_peak_within_training_peak" in side:
+        row[_WITHIN] = _yes(side["load_peak_within_training_peak"])
+    return row
 
 
 def _ratio_cell(saving: Mapping[str, Any] | None, params: int) -> str:
@@ -159,94 +173,28 @@ def _ratio_cell(saving: Mapping[str, Any] | None, params: int) -> str:
     return f"{ratio:.4f}" if ratio is not None else _DASH
 
 
-def _installed_cell(side: Mapping[str, Any]) -> str:
-    """Who installed the state on this resume side, e.g. ``te_fused_adam_fp32 ×2``.
-
-    "—" without events (upstream, results from before the field); a multi-rank build rank
-    other than 0 says that only rank 0 logs.
-    """
-    record = side.get("state_adoption")
-    text = installed_by_text(record)
-    if text is not None:
-        return text
-    if record and record.get("adopters") is not None and side.get("rank", 0) != 0:
-        return f"{_DASH} (logged on rank 0)"
-    return _DASH
-
-
-def _multi_rank_name(entry: Mapping[str, Any]) -> str:
-    """Case name with its optimizer count and layout, e.g. ``moe (2 ...) [TP 1, EP 2, DP 2]``."""
-    name = entry["case"]
-    optimizers = len(entry.get("inner_optimizers") or [])
-    if optimizers > 1:
-        name = f"{name} ({optimizers} DistributedOptimizers)"
-    par = entry["parallel"]
-    dp = f"DP {par['data_parallel_size']}"
-    if par["resharded"]:
-        dp += f" → {par['resume_data_parallel_size']}"
-    return (
-        f"{name} [TP {par['tensor_model_parallel_size']}, "
-        f"EP {par['expert_model_parallel_size']}, {dp}]"
-    )
-
-
-def _multi_rank_cells(entry: Mapping[str, Any]) -> list[list[Any]]:
-    """Rows of a multi-rank entry: control ranks, then upstream ranks, then build ranks.
-
-    Each row carries its rank as a third cell (the table's ``rank`` column).
-    """
-    name = _multi_rank_name(entry)
+def _entry_rows(entry: Mapping[str, Any]) -> list[Row]:
+    """Rows of one (current-shape) entry: control ranks, then upstream's, then the build's."""
+    name = _case_name(entry)
     controls = entry.get("controls")
     if controls is None:
-        return [_with_rank(_failed_control_cells(name, {}, None, entry), _DASH)]
+        return [_failed_control_row(name, {}, None, entry)]
     if "rank_sides" not in entry:
-        return [
-            _with_rank(_failed_control_cells(name, c, c["params_on_rank"], entry), c["rank"])
-            for c in controls
-        ]
-    rows = [_with_rank(_control_cells(name, c, c["params_on_rank"]), c["rank"]) for c in controls]
+        return [_failed_control_row(name, c, c["params_on_rank"], entry) for c in controls]
+    rows = [_control_row(name, c) for c in controls]
     resharded = entry["parallel"]["resharded"]
     savings = {r["rank"]: r for r in entry.get("ranks") or []}
     for label, per_rank in entry["rank_sides"].items():
-        notes = ("", "")
-        if resharded:
-            notes = (" (gathered)", " (= upstream)" if label == "build" else "")
+        notes = (" (gathered)", " (= upstream)" if label == "build" else "") if resharded else ("", "")
         for side in per_rank:
             saving = savings.get(side["rank"], {}) if label == "build" else None
-            rows.append(_with_rank(_side_cells(name, label, side, saving, notes), side["rank"]))
+            rows.append(_side_row(name, label, side, saving, notes))
     return rows
 
 
-def _with_rank(cells: list[Any], rank: Any) -> list[Any]:
-    """``cells`` with ``rank`` inserted after the side cell."""
-    return [*cells[:2], rank, *cells[2:]]
-
-
-def _without(cells: list[Any], index: int) -> list[Any]:
-    return [*cells[:index], *cells[index + 1 :]]
-
-
-def _entry_rows(entry: Mapping[str, Any], with_rank: bool, with_adoption: bool) -> list[str]:
-    """Markdown rows of one entry; single-rank entries get rank 0 in a table with ranks."""
-    if is_multi_rank_entry(entry):
-        rows = _multi_rank_cells(entry)
-    else:
-        rows = [_with_rank(c, 0) if with_rank else c for c in _case_cells(entry)]
-    if not with_adoption:
-        rows = [_without(c, _ADOPTION_AT + (1 if with_rank else 0)) for c in rows]
-    return [_row(cells) for cells in rows]
-
-
 def _resume_sides(entry: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """``(side label, side record)`` of every resume side (every rank) of one entry."""
-    if "rank_sides" in entry:
-        return [(label, s) for label, per_rank in entry["rank_sides"].items() for s in per_rank]
-    return list((entry.get("sides") or {}).items())
-
-
-def _shows_adoption(cases: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether any resume side recorded ``state_adoption`` (the column and line appear)."""
-    return any("state_adoption" in s for e in cases for _, s in _resume_sides(e))
+    """``(side label, side record)`` of every resume rank of one (current-shape) entry."""
+    return [(label, s) for label, per_rank in (entry.get("rank_sides") or {}).items() for s in per_rank]
 
 
 def _adoption_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -277,10 +225,38 @@ def _adoption_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def _instance_loader_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the instance-level loader was, and why the build's adopters declined it."""
+    lines = []
+    for entry in cases:
+        if not entry.get("instance_loader"):
+            continue
+        builds = [s for label, s in _resume_sides(entry) if label == "build"]
+        reasons = sorted(
+            {f"{name}: {reason}" for side in builds for o in load_outcomes(side.get("state_adoption"))
+             for name, reason in o.get("declines") or []}
+        )  # fmt: skip
+        lines.append(
+            f"- {_case_name(entry)}: a {entry['instance_loader']} instance-level load_state_dict "
+            "(PyTorch's loader only) was set on every inner FusedAdam for each resume's load, both "
+            "sides; build declines: " + ("; ".join(reasons) or "none recorded")
+        )
+    return lines
+
+
+def _check_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per case that ``--check`` fails, with every reason."""
+    return [
+        f"- **expectation missed** by {_case_name(entry)}: " + "; ".join(entry["failed_expectations"])
+        for entry in cases
+        if entry.get("failed_expectations")
+    ]
+
+
 def _ranks_text(settings: Mapping[str, Any]) -> str:
-    """``one rank`` (single-rank runs, as before) or the multi-rank layout."""
+    """``one rank``, or the run's layout."""
     par = settings.get("parallel")
-    if not par:
+    if not par or ParallelLayout.from_json(par).single_rank:
         return "one rank"
     text = (
         f"{par['nproc_per_node']} rank(s) per phase, TP {par['tensor_model_parallel_size']}, "
@@ -294,10 +270,27 @@ def _ranks_text(settings: Mapping[str, Any]) -> str:
     return text
 
 
+def _table(cases: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The Markdown table: every row, the columns that have a value somewhere."""
+    rows = [row for entry in cases for row in _entry_rows(entry)]
+    with_rank = any(not _layout(e).single_rank for e in cases)
+    columns = [
+        c
+        for c in _COLUMNS
+        if c not in _OPTIONAL
+        or (c == _RANK and with_rank)
+        or (c != _RANK and any(c in row for row in rows))
+    ]
+    lines = ["", _markdown_row(columns), _markdown_row(["---"] * len(columns))]
+    lines += [_markdown_row(row.get(c, _DASH) for c in columns) for row in rows]
+    return lines
+
+
 def markdown_report(document: Mapping[str, Any]) -> str:
-    """Render the JSON document as Markdown: environment, settings and one table."""
+    """Render the JSON document as Markdown: environment, settings, notes and one table."""
     env = document["environment"]
     settings = document["settings"]
+    cases = [current_entry(e) for e in document["cases"]]
     lines = [
         "# Checkpoint-resume memory: upstream megatron-core vs. the state-adoption build",
         "",
@@ -320,25 +313,23 @@ def markdown_report(document: Mapping[str, Any]) -> str:
         f"top-{size['moe_router_topk']}; {settings['train_steps']} training steps before the save",
         "- total parameters: "
         + ", ".join(
-            f"{c['case']} {c['total_params']:,}" for c in document["cases"] if "total_params" in c
+            f"{c['case']}{_layout_text(c)} {c['total_params']:,}"
+            for c in cases
+            if "total_params" in c
         ),
         "- baseline = `memory_allocated()` just before the load; load peak = "
         "`max_memory_allocated()` over the whole load; expected saving = 8 B × parameters on the "
         "rank (one FP32 Adam moment pair), 0 for the precision-aware fallback.",
     ]
-    with_adoption = _shows_adoption(document["cases"])
-    lines += _adoption_lines(document["cases"])
+    lines += _adoption_lines(cases)
     if settings.get("dev_mode_build_is_not_stateadoption"):
         lines.append(
             "- **WARNING: development mode -- the build side is NOT the +stateadoption build; "
             "the comparison measures nothing about the product.**"
         )
-    with_rank = any(is_multi_rank_entry(e) for e in document["cases"])
-    columns = list(_COLUMNS) if with_adoption else _without(list(_COLUMNS), _ADOPTION_AT)
-    columns = _with_rank(columns, "rank") if with_rank else columns
-    lines += ["", _row(columns), _row(["---"] * len(columns))]
-    for entry in document["cases"]:
-        lines += _entry_rows(entry, with_rank, with_adoption)
+    lines += _instance_loader_lines(cases)
+    lines += _check_lines(cases)
+    lines += _table(cases)
     lines.append("")
     return "\n".join(lines)
 
@@ -352,7 +343,7 @@ def merge_documents(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One document from several runs (e.g. ``--cases`` split over calls): cases concatenated.
 
     Environment, sides and settings come from the first document; each case keeps the
-    workspace it ran in.
+    workspace it ran in (and, in the current shape, its layout).
     """
     if not documents:
         raise ValueError("nothing to merge")

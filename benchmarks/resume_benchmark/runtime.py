@@ -1,7 +1,7 @@
 """Process setup: determinism, ``torch.distributed`` (NCCL), Megatron parallel state.
 
-One rank (:func:`initialize_single_rank`, the single-rank benchmark) or one rank of a
-``torch.distributed.run`` launch (:func:`initialize_torchrun_rank`).
+:func:`initialize_rank` serves a plain one-rank process and every rank of a
+``torch.distributed.run`` launch alike.
 """
 
 from __future__ import annotations
@@ -16,6 +16,27 @@ DETERMINISM_ENV: Final[dict[str, str]] = {
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
 }
+
+
+#: Variables ``torch.distributed.run`` sets for its ranks. The driver removes them from every
+#: worker's environment, so a plain worker process is a one-rank world even when the driver
+#: itself runs under a launcher; ``torch.distributed.run`` sets them anew for its own ranks.
+LAUNCHER_ENV_VARS: Final[tuple[str, ...]] = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+)
 
 
 def apply_determinism_env() -> None:
@@ -42,11 +63,36 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def initialize_single_rank(seed: int) -> None:
-    """Initialise a one-rank NCCL world and Megatron's model-parallel state (idempotent).
+def launched_rank() -> tuple[int, int, int]:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` from ``torch.distributed.run``; ``(0, 1, 0)`` without it.
 
-    Also turns on deterministic algorithms so an uninterrupted run and a resumed run produce
-    bitwise-identical steps. Requires CUDA.
+    A plain ``python -m ...worker`` process (one rank) has none of these variables: the driver
+    removes them from every worker's environment (:func:`.sides.worker_environment`).
+    """
+    if "RANK" not in os.environ:
+        return 0, 1, 0
+    try:
+        return (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ["LOCAL_RANK"]),
+        )
+    except KeyError as exc:
+        raise RuntimeError(
+            f"RANK is set but {exc.args[0]} is not: launch several ranks with "
+            "python -m torch.distributed.run"
+        ) from None
+
+
+def initialize_rank(
+    seed: int, tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1
+) -> None:
+    """Initialise this rank: determinism, its GPU, NCCL and Megatron's parallel state.
+
+    Under ``torch.distributed.run`` the process group comes from the launcher's environment
+    (``env://``); a plain process is a one-rank world on a free local TCP port. Deterministic
+    algorithms make an uninterrupted run and a resumed run produce bitwise-identical steps.
+    Idempotent; requires CUDA.
     """
     apply_determinism_env()
     import torch
@@ -57,16 +103,21 @@ def initialize_single_rank(seed: int) -> None:
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.cuda.set_device(0)
+    rank, world_size, local_rank = launched_rank()
+    torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        launched = "RANK" in os.environ
         dist.init_process_group(
             backend="nccl",
-            init_method=f"tcp://127.0.0.1:{_free_tcp_port()}",
-            world_size=1,
-            rank=0,
+            init_method="env://" if launched else f"tcp://127.0.0.1:{_free_tcp_port()}",
+            world_size=world_size,
+            rank=rank,
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+        )
     seed_everything(seed)
 
 
@@ -80,51 +131,6 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def torchrun_rank() -> tuple[int, int, int]:
-    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` as ``torch.distributed.run`` sets them."""
-    try:
-        return (
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ["LOCAL_RANK"]),
-        )
-    except KeyError as exc:
-        raise RuntimeError(
-            f"{exc.args[0]} is not set: multi-rank phases must be launched with "
-            "python -m torch.distributed.run"
-        ) from None
-
-
-def initialize_torchrun_rank(
-    seed: int, tensor_model_parallel_size: int, expert_model_parallel_size: int
-) -> None:
-    """Initialise this ``torchrun`` rank: NCCL (env://), its GPU, Megatron's parallel state.
-
-    Same determinism settings as :func:`initialize_single_rank`; idempotent.
-    """
-    apply_determinism_env()
-    import torch
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state
-
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    rank, world_size, local_rank = torchrun_rank()
-    torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl", init_method="env://", world_size=world_size, rank=rank
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            expert_model_parallel_size=expert_model_parallel_size,
-        )
-    seed_everything(seed)
 
 
 def rank_coordinates() -> dict[str, int]:

@@ -1,9 +1,10 @@
 """Where each side's ``megatron-core`` comes from, and the environment its workers run in.
 
-A *side* is one ``megatron-core`` to measure: ``upstream`` (megatron-core 0.19.2 from PyPI) or
-``build`` (this project's ``0.19.2+stateadoption`` build). A side is a directory put first on
-``PYTHONPATH`` (a ``pip install --target`` site), a wheel installed into such a directory, or
--- for the build only -- the current environment.
+A *side* is one ``megatron-core`` to measure: ``build`` (this project's build of some release V,
+version ``V+stateadoption``) or ``upstream`` (exactly megatron-core V, e.g. from PyPI). A side
+is a directory put first on ``PYTHONPATH`` (a ``pip install --target`` site), a wheel installed
+into such a directory, or -- for the build only -- the current environment. Any V works
+(0.16.1, 0.18.2, 0.19.2, ...); both sides must be the same V.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from benchmarks.resume_benchmark.results import progress
 
-#: The upstream release the build is compared with.
-UPSTREAM_VERSION = "0.19.2"
-UPSTREAM_REQUIREMENT = f"megatron-core=={UPSTREAM_VERSION}"
-#: Local-version marker of this project's build.
+#: Local-version marker of this project's build (``V+stateadoption``).
 BUILD_LOCAL_VERSION = "stateadoption"
 
 _INSTALLED_MARKER = ".resume-benchmark-installed"
@@ -78,10 +78,10 @@ def install_wheel(wheel: Path, cache_dir: Path) -> Path:
     return target
 
 
-def download_upstream_wheel(cache_dir: Path) -> Path:
-    """``pip download`` the upstream ``megatron-core`` wheel (index: pip's own configuration)."""
+def download_upstream_wheel(cache_dir: Path, version: str) -> Path:
+    """``pip download`` the ``megatron-core==version`` wheel (index: pip's own configuration)."""
     dest = cache_dir / "downloads"
-    pattern = f"megatron_core-{UPSTREAM_VERSION}-*.whl"
+    pattern = f"megatron_core-{version}-*.whl"
     existing = sorted(dest.glob(pattern))
     if not existing:
         dest.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ def download_upstream_wheel(cache_dir: Path) -> Path:
                 "--only-binary=:all:",
                 "--dest",
                 str(dest),
-                UPSTREAM_REQUIREMENT,
+                f"megatron-core=={version}",
             ]
         )
         existing = sorted(dest.glob(pattern))
@@ -111,11 +111,11 @@ def _side_from_path(label: str, path: Path, cache_dir: Path) -> Side:
     raise SideError(f"{label}: {path} is neither a directory nor a .whl file")
 
 
-def resolve_upstream(arg: Path | None, cache_dir: Path) -> Side:
-    """The upstream side: ``arg`` (directory or wheel), else a downloaded 0.19.2 wheel."""
+def resolve_upstream(arg: Path | None, cache_dir: Path, version: str) -> Side:
+    """The upstream side: ``arg`` (directory or wheel), else a downloaded ``version`` wheel."""
     if arg is not None:
         return _side_from_path("upstream", arg, cache_dir)
-    wheel = download_upstream_wheel(cache_dir)
+    wheel = download_upstream_wheel(cache_dir, version)
     target = install_wheel(wheel, cache_dir)
     return Side("upstream", target, f"downloaded {wheel.name}, installed into {target}")
 
@@ -131,11 +131,13 @@ def worker_environment(side: Side, repo_root: Path) -> dict[str, str]:
     """Environment for a worker of ``side``: its directory first on ``PYTHONPATH``.
 
     The inherited ``PYTHONPATH`` follows (minus the repository root, whose ``megatron/`` source
-    tree must never shadow an installed ``megatron-core``).
+    tree must never shadow an installed ``megatron-core``). Everything else is inherited --
+    ``CUDA_VISIBLE_DEVICES`` too -- except a launcher's rank variables
+    (:data:`~.runtime.LAUNCHER_ENV_VARS`).
     """
-    from benchmarks.resume_benchmark.runtime import DETERMINISM_ENV
+    from benchmarks.resume_benchmark.runtime import DETERMINISM_ENV, LAUNCHER_ENV_VARS
 
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_VARS}
     inherited = [
         entry
         for entry in env.get("PYTHONPATH", "").split(os.pathsep)
@@ -152,9 +154,60 @@ def worker_environment(side: Side, repo_root: Path) -> dict[str, str]:
     return env
 
 
-def is_stateadoption_version(version: str | None) -> bool:
-    """Whether ``version`` is this project's build (``0.19.2+stateadoption...``)."""
+def build_release(version: str | None) -> str | None:
+    """The release V of this project's build ``V+stateadoption[.x]``; None for anything else."""
     if not version or "+" not in version:
-        return False
+        return None
     public, local = version.split("+", 1)
-    return public == UPSTREAM_VERSION and local.split(".")[0] == BUILD_LOCAL_VERSION
+    return public if public and local.split(".")[0] == BUILD_LOCAL_VERSION else None
+
+
+def public_release(version: str | None) -> str | None:
+    """``version`` without its local part (``0.19.2+x`` -> ``0.19.2``)."""
+    return version.split("+", 1)[0] if version else None
+
+
+def build_problem(build: Mapping[str, Any], dev_mode: bool = False) -> str | None:
+    """Why the probed build side is not a ``V+stateadoption`` build with the subsystem, or None.
+
+    ``dev_mode`` (testing the benchmark itself) accepts any ``megatron-core`` that imports.
+    """
+    if build.get("error"):
+        return f"the build side cannot import megatron.core ({build['error']})"
+    if dev_mode or (build_release(build["version"]) and build["has_state_adoption"]):
+        return None
+    return (
+        f"the build side is megatron-core {build['version']} at {build['file']}, not a "
+        f"V+{BUILD_LOCAL_VERSION} build (state_adoption present: {build['has_state_adoption']}); "
+        "pass --build DIR|WHEEL or install the build"
+    )
+
+
+def upstream_release(build: Mapping[str, Any]) -> str:
+    """The release upstream must be: the build's V (in development mode its public version)."""
+    return build_release(build["version"]) or public_release(build["version"]) or "unknown"
+
+
+def sides_problem(
+    upstream: Mapping[str, Any], build: Mapping[str, Any], dev_mode: bool = False
+) -> str | None:
+    """Why the probed sides cannot be compared, or None.
+
+    The build must pass :func:`build_problem`, upstream must be exactly its release V without
+    the state-adoption subsystem, and the two must be different installations.
+    """
+    problem = build_problem(build, dev_mode)
+    if problem is not None:
+        return problem
+    if upstream.get("error"):
+        return f"the upstream side cannot import megatron.core ({upstream['error']})"
+    release = upstream_release(build)
+    if upstream["version"] != release or upstream["has_state_adoption"]:
+        return (
+            f"the upstream side must be plain megatron-core {release}, the release the build "
+            f"{build['version']} is made from; it is {upstream['version']} at {upstream['file']} "
+            f"(state_adoption present: {upstream['has_state_adoption']})"
+        )
+    if upstream["file"] == build["file"]:
+        return f"both sides import the same megatron.core ({upstream['file']})"
+    return None

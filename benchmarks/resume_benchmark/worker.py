@@ -8,10 +8,11 @@ Usage (the driver runs this; PYTHONPATH selects which ``megatron-core`` is impor
     python -m torch.distributed.run --standalone --nproc-per-node N \
         -m benchmarks.resume_benchmark.worker --phase resume --spec SPEC.json --result OUT.json
 
-A spec with a ``"parallel"`` layout (multi-rank runs only) makes every rank initialise NCCL from
-the ``torchrun`` environment with the layout's TP/EP sizes and write ``OUT.rank<r>.json``; it
-then also records its parallel coordinates and, for a resume at another data-parallel size, the
-DP-size-independent fingerprint of :mod:`.gathered`.
+Every rank (the only one of a plain process, or each rank of a ``torch.distributed.run``
+launch) initialises NCCL and Megatron's parallel state with the spec's ``parallel`` layout,
+measures and fingerprints its own shards and writes ``OUT.rank<r>.json``, recording its parallel
+coordinates and, for a resume at another data-parallel size, the DP-size-independent
+fingerprint of :mod:`.gathered`.
 
 Phases:
 
@@ -21,10 +22,12 @@ Phases:
   ``torch_dist`` checkpoint, fingerprint the state, run step N+1 (the uninterrupted control).
 * ``resume``: build, load the checkpoint (timed; load peak over the pre-load baseline),
   fingerprint the restored state, run step N+1 (training peak, loss, fingerprint). Also records
-  ``state_adoption`` (:mod:`.adoption`): the registered state adopters and which one installed
-  each inner optimizer's state during the load (the loader logs on global rank 0 only).
+  ``state_adoption`` (:mod:`.adoption`): the registered state adopters and the structured
+  outcome of every state-adoption hook point during the load, on every rank; with
+  ``case.instance_loader``, an instance-level ``load_state_dict`` is set on every inner
+  optimizer for the load (:mod:`.instance_loader`) and how often it ran is recorded.
 
-Each phase writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
+Each rank writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
 that cannot be saved is a result, not a failure), 1 when it failed (the result file then holds
 ``"error"``).
 """
@@ -47,14 +50,17 @@ from typing import Any
 
 from benchmarks.resume_benchmark.adoption import (
     adopters_text,
+    fallback_text,
+    has_outcome_hooks,
     installed_by_text,
-    recording_adoption_events,
+    recording_outcomes,
     registered_adopter_names,
 )
 from benchmarks.resume_benchmark.cases import BenchmarkCase
 from benchmarks.resume_benchmark.launch import ParallelLayout, rank_result_path
 from benchmarks.resume_benchmark.results import one_line, progress, read_json, write_json
-from benchmarks.resume_benchmark.runtime import apply_determinism_env, torchrun_rank
+from benchmarks.resume_benchmark import runtime
+from benchmarks.resume_benchmark.runtime import apply_determinism_env, launched_rank
 
 
 def megatron_core_info() -> dict[str, Any]:
@@ -76,6 +82,7 @@ def megatron_core_info() -> dict[str, Any]:
         "file": str(core_file),
         "site": str(site_dir),
         "has_state_adoption": has_adoption,
+        "has_outcome_hooks": has_adoption and has_outcome_hooks(),
     }
 
 
@@ -151,15 +158,14 @@ def _step_json(result: Any) -> dict[str, Any]:
     }
 
 
-def _who(case: BenchmarkCase, label: str, layout: ParallelLayout | None) -> str:
-    """Progress-line prefix: ``case/side``, plus the rank in a multi-rank run."""
-    if layout is None:
-        return f"{case.name}/{label}"
-    return f"{case.name}/{label} rank {torchrun_rank()[0]}"
+def _who(case: BenchmarkCase, label: str) -> str:
+    """Progress-line prefix: ``case/side``, plus the rank when the launch has several."""
+    rank, world_size, _ = launched_rank()
+    return f"{case.name}/{label}" + (f" rank {rank}" if world_size > 1 else "")
 
 
 def _build(
-    case: BenchmarkCase, label: str, layout: ParallelLayout | None
+    case: BenchmarkCase, label: str, layout: ParallelLayout
 ) -> tuple[Any, Any, dict[str, Any]]:
     import torch  # noqa: F401  (before transformer_engine)
 
@@ -167,20 +173,23 @@ def _build(
         build_gpt_and_optimizer,
         inner_optimizer_class_names,
         model_parameter_count,
+        model_parameter_total,
         optimizer_parameter_count,
     )
 
-    who = _who(case, label, layout)
+    who = _who(case, label)
     started = time.perf_counter()
     model_chunks, optimizer = build_gpt_and_optimizer(case, layout)
     info: dict[str, Any] = {
-        "total_params": model_parameter_count(model_chunks),
+        "total_params": model_parameter_total(model_chunks),
+        "model_params_on_rank": model_parameter_count(model_chunks),
         "optimizer_params": optimizer_parameter_count(optimizer),
         "inner_optimizers": inner_optimizer_class_names(optimizer),
         "build_seconds": time.perf_counter() - started,
     }
     progress(
-        f"{who}: built GPT ({info['total_params']:,} params, "
+        f"{who}: built GPT ({info['total_params']:,} params in all, "
+        f"{info['model_params_on_rank']:,} on the rank, "
         f"{info['optimizer_params']:,} optimizer params on the rank, "
         f"{len(info['inner_optimizers'])} DistributedOptimizer(s), inner "
         f"{', '.join(sorted(set(info['inner_optimizers'])))})"
@@ -209,41 +218,31 @@ def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[s
     }
 
 
-def _rank_info(layout: ParallelLayout | None) -> dict[str, Any]:
-    """``{"rank": coordinates}`` in a multi-rank run; nothing on one rank (results as before)."""
-    if layout is None:
-        return {}
-    from benchmarks.resume_benchmark.runtime import rank_coordinates
+def _fingerprint(out: dict[str, Any], name: str, layout: ParallelLayout, model_chunks: Any, optimizer: Any) -> None:
+    """Record ``<name>_fingerprint`` and, for a resume at another DP size, the DP-size-independent
+    ``<name>_gathered_fingerprint`` (:mod:`.gathered`; collective)."""
+    from benchmarks.resume_benchmark import gathered
+    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
 
-    return {"rank": rank_coordinates()}
-
-
-def _gathered(
-    layout: ParallelLayout | None, model_chunks: Any, optimizer: Any
-) -> dict[str, str] | None:
-    """The DP-size-independent fingerprint when the resume is resharded, else ``None``."""
-    if layout is None or not layout.resharded:
-        return None
-    from benchmarks.resume_benchmark.gathered import gathered_fingerprint
-
-    return gathered_fingerprint(model_chunks, optimizer)
+    out[f"{name}_fingerprint"] = fingerprint_state(model_chunks, optimizer)
+    if layout.resharded:
+        out[f"{name}_gathered_fingerprint"] = gathered.gathered_fingerprint(model_chunks, optimizer)
 
 
 def run_train(
-    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout | None = None
+    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout
 ) -> dict[str, Any]:
-    """Train+save+control phase (see module docstring); ``layout``: multi-rank runs only."""
+    """Train+save+control phase of this rank (see module docstring)."""
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import save_checkpoint
-    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
     from benchmarks.resume_benchmark.training import train_step
 
-    who = _who(case, label, layout)
+    who = _who(case, label)
     out: dict[str, Any] = {"phase": "train", "case": case.name, "side": label}
     out["megatron_core"] = megatron_core_info()
     model_chunks, optimizer, out["model"] = _build(case, label, layout)
-    out.update(_rank_info(layout))
+    out["rank"] = runtime.rank_coordinates()
 
     gc.collect()
     torch.cuda.synchronize()
@@ -293,10 +292,7 @@ def run_train(
         f"{who}: saved {out['save']['checkpoint_bytes'] / 2**20:,.1f} MiB "
         f"in {out['save']['seconds']:.2f} s; fingerprinting state"
     )
-    out["post_save_fingerprint"] = fingerprint_state(model_chunks, optimizer)
-    gathered = _gathered(layout, model_chunks, optimizer)
-    if gathered is not None:
-        out["post_save_gathered_fingerprint"] = gathered
+    _fingerprint(out, "post_save", layout, model_chunks, optimizer)
     out["next_step"] = _next_step(case, model_chunks, optimizer)
     progress(
         f"{who}: control step {case.train_steps + 1} loss "
@@ -306,19 +302,20 @@ def run_train(
 
 
 def run_resume(
-    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout | None = None
+    case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout
 ) -> dict[str, Any]:
-    """Resume phase (see module docstring); ``layout``: multi-rank runs only."""
+    """Resume phase of this rank (see module docstring)."""
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
-    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
+    from benchmarks.resume_benchmark.instance_loader import installed_instance_loaders
+    from benchmarks.resume_benchmark.model import inner_optimizers
 
-    who = _who(case, label, layout)
+    who = _who(case, label)
     out: dict[str, Any] = {"phase": "resume", "case": case.name, "side": label}
     out["megatron_core"] = megatron_core_info()
     model_chunks, optimizer, out["model"] = _build(case, label, layout)
-    out.update(_rank_info(layout))
+    out["rank"] = runtime.rank_coordinates()
     adopters = registered_adopter_names()  # loads plugin entry points before the measurement
 
     gc.collect()
@@ -326,11 +323,12 @@ def run_resume(
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
     progress(f"{who}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
-    started = time.perf_counter()
-    with recording_adoption_events() as events:
-        load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
+    with installed_instance_loaders(case.instance_loader, inner_optimizers(optimizer)) as loaders:
+        started = time.perf_counter()
+        with recording_outcomes() as outcomes:
+            load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated()
     gc.collect()
     out["load"] = {
@@ -339,10 +337,17 @@ def run_resume(
         "post_load_allocated_bytes": torch.cuda.memory_allocated(),
         "seconds": seconds,
     }
-    out["state_adoption"] = {"adopters": adopters, "events": events}
+    out["state_adoption"] = {"adopters": adopters, "outcomes": outcomes}
+    calls = None
+    if loaders is not None:
+        out["instance_loader"] = loaders.to_json()
+        calls = out["instance_loader"]["calls"]
+    fallback = fallback_text(out["state_adoption"])
+    installed = installed_by_text(out["state_adoption"], calls)
     progress(
         f"{who}: state adopters registered: {adopters_text(adopters)}; state installed by: "
-        f"{installed_by_text(out['state_adoption']) or 'nothing logged'}"
+        f"{installed or 'not recorded (no outcome hooks)'}"
+        + (f"; fallback: {fallback}" if fallback else "")
     )
     progress(
         f"{who}: loaded in {seconds:.2f} s; load peak {peak / 2**20:,.1f} MiB "
@@ -351,10 +356,7 @@ def run_resume(
         "over baseline); "
         "fingerprinting state"
     )
-    out["restored_fingerprint"] = fingerprint_state(model_chunks, optimizer)
-    gathered = _gathered(layout, model_chunks, optimizer)
-    if gathered is not None:
-        out["restored_gathered_fingerprint"] = gathered
+    _fingerprint(out, "restored", layout, model_chunks, optimizer)
     out["next_step"] = _next_step(case, model_chunks, optimizer)
     progress(
         f"{who}: resumed step {case.train_steps + 1} loss "
@@ -373,7 +375,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--result",
         type=Path,
         required=True,
-        help="where to write the JSON result (multi-rank: each rank writes NAME.rank<r>.json)",
+        help="JSON result NAME.json; rank r writes NAME.rank<r>.json",
     )
     return parser.parse_args(argv)
 
@@ -382,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one phase; see the module docstring for exit statuses."""
     args = _parse_args(argv)
     apply_determinism_env()
+    result_path = rank_result_path(args.result, launched_rank()[0])
     if args.phase == "probe":
-        write_json(args.result, probe())
+        write_json(result_path, probe())
         return 0
     if args.spec is None:
         raise SystemExit("--spec is required for the train and resume phases")
@@ -391,10 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     case = BenchmarkCase.from_json(spec["case"])
     label = str(spec["side"])
     checkpoint_dir = Path(spec["checkpoint_dir"])
-    layout = ParallelLayout.from_json(spec["parallel"]) if "parallel" in spec else None
-    result_path = args.result
-    if layout is not None:
-        result_path = rank_result_path(args.result, torchrun_rank()[0])
+    layout = ParallelLayout.from_json(spec["parallel"])
     _configure_logging()
     status = 0
     try:
@@ -407,17 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         out = {"phase": args.phase, "case": case.name, "side": label, "error": one_line(exc)}
         status = 1
     write_json(result_path, out)
-    _shutdown_quietly()
-    return status
-
-
-def _shutdown_quietly() -> None:
     try:
-        from benchmarks.resume_benchmark.runtime import shutdown
-
-        shutdown()
+        runtime.shutdown()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
+    return status
 
 
 if __name__ == "__main__":

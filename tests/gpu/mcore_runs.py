@@ -61,14 +61,18 @@ def allocated_now() -> int:
     return torch.cuda.memory_allocated()
 
 
-def train_save_control(case: Any, checkpoint_dir: Path) -> Dict[str, Any]:
-    """Train ``case.train_steps`` steps, save, take the next step; return the control's record."""
+def train_save_control(case: Any, checkpoint_dir: Path, layout: Any = None) -> Dict[str, Any]:
+    """Train ``case.train_steps`` steps, save, take the next step; return the control's record.
+
+    ``layout`` (a ``ParallelLayout``; None: one rank) for a run on several ranks, where every
+    rank calls this with the same ``checkpoint_dir``.
+    """
     from benchmarks.resume_benchmark.checkpoint import save_checkpoint
     from benchmarks.resume_benchmark.model import build_gpt_and_optimizer
     from benchmarks.resume_benchmark.training import train_step
 
     start = allocated_now()
-    model_chunks, optimizer = build_gpt_and_optimizer(case)
+    model_chunks, optimizer = build_gpt_and_optimizer(case, layout)
     for step in range(1, case.train_steps + 1):
         train_step(model_chunks, optimizer, case, step)
     save_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
