@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -180,7 +180,13 @@ def _inner_load(dist_opt: Any, state_dict: dict[str, Any]) -> None:
     load_inner_optimizer_state_dict(dist_opt, state_dict)
 
 
-def _fake_load(model_chunks: Any, optimizer: Any, sharding_format: str, checkpoint_dir: Path) -> None:
+def _fake_load(
+    model_chunks: Any,
+    optimizer: Any,
+    sharding_format: str,
+    checkpoint_dir: Path,
+    on_phase: Optional[Callable[[str], None]] = None,
+) -> None:
     rank = FAKE_WORLD.current
     saved = torch.load(checkpoint_dir / f"{_CHECKPOINT_FILE}.rank{rank.rank}", weights_only=False)
     with torch.no_grad():

@@ -61,6 +61,8 @@ def test_story_meets_every_expectation_on_every_rank(
     assert entry["failed_expectations"] == [] and case_meets_expectations(entry)
     assert entry["total_params"] == 36  # the fake model, counted once over the ranks
     assert not list((tmp_path / "checkpoints").iterdir())  # the checkpoint is deleted
+    for side in entry["rank_sides"].values():  # no CUDA here: recorded as an error, not fatal
+        assert all("no CUDA" in s["memory_timeline"]["error"] for s in side)
 
 
 def test_moe_chains_two_distributed_optimizers_on_every_rank(
@@ -88,10 +90,10 @@ def test_a_rank_that_crashes_fails_the_case_and_names_the_rank(
 
     load = checkpoint.load_checkpoint
 
-    def crash_on_rank_1(*args: Any) -> None:
+    def crash_on_rank_1(*args: Any, **kwargs: Any) -> None:
         if FAKE_WORLD.current.rank == 1:
             raise RuntimeError("CUDA out of memory on rank 1")
-        load(*args)
+        load(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "load_checkpoint", crash_on_rank_1)
     entry = _run(tmp_path, "dp_reshardable", ParallelLayout(2, 1, 1, 2))

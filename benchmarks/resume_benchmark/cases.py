@@ -25,8 +25,16 @@ MOE_CASE: Final = "moe"
 #: Precision-aware optimizer (BF16 moments, TE master weights): must fall back to TE's loader.
 PRECISION_AWARE_CASE: Final = "precision_aware_bf16"
 
+#: The precision-aware optimizer with MoE: a ChainedOptimizer of two precision-aware FusedAdams.
+MOE_PRECISION_AWARE_CASE: Final = "moe_precision_aware_bf16"
+
 #: Every case, in the order they run by default.
-CASE_NAMES: Final[tuple[str, ...]] = (*SHARDING_FORMATS, MOE_CASE, PRECISION_AWARE_CASE)
+CASE_NAMES: Final[tuple[str, ...]] = (
+    *SHARDING_FORMATS,
+    MOE_CASE,
+    PRECISION_AWARE_CASE,
+    MOE_PRECISION_AWARE_CASE,
+)
 
 #: Instance-level loaders a resume can run with (:mod:`.instance_loader`): ``bridge-like`` sets,
 #: on each inner FusedAdam, a ``load_state_dict`` that runs PyTorch's loader only.
@@ -204,7 +212,11 @@ def make_case(
     ``instance_loader`` (one of :data:`INSTANCE_LOADERS`) resumes with an instance-level
     ``load_state_dict`` on every inner FusedAdam.
     """
-    formats = {MOE_CASE: "dp_reshardable", PRECISION_AWARE_CASE: "dp_reshardable"}
+    formats = {
+        MOE_CASE: "dp_reshardable",
+        PRECISION_AWARE_CASE: "dp_reshardable",
+        MOE_PRECISION_AWARE_CASE: "dp_reshardable",
+    }
     if name not in SHARDING_FORMATS and name not in formats:
         raise ValueError(f"unknown case {name!r}; expected one of {', '.join(CASE_NAMES)}")
     case = BenchmarkCase(
@@ -215,8 +227,8 @@ def make_case(
         seed=seed,
         instance_loader=instance_loader,
     )
-    if name == MOE_CASE:
-        return dataclasses.replace(case, moe=True, moe_fold_experts=moe_fold_experts)
-    if name == PRECISION_AWARE_CASE:
-        return dataclasses.replace(case, precision_aware=True)
+    if name in (MOE_CASE, MOE_PRECISION_AWARE_CASE):
+        case = dataclasses.replace(case, moe=True, moe_fold_experts=moe_fold_experts)
+    if name in (PRECISION_AWARE_CASE, MOE_PRECISION_AWARE_CASE):
+        case = dataclasses.replace(case, precision_aware=True)
     return case

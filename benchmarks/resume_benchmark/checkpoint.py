@@ -8,6 +8,7 @@ chunk: the model's sharded state dict under ``"model"``, the optimizer's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,13 @@ from megatron.core.utils import unwrap_model
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.optimizer import MegatronOptimizer
+
+from benchmarks.resume_benchmark.memory_timeline import (
+    PHASE_MODEL,
+    PHASE_PAYLOAD,
+    PHASE_READ,
+    PHASE_SCAFFOLD,
+)
 
 
 def sharded_state_dict_metadata(sharding_format: str) -> dict[str, Any]:
@@ -74,16 +82,23 @@ def load_checkpoint(
     optimizer: MegatronOptimizer,
     sharding_format: str,
     checkpoint_dir: Path,
+    on_phase: Callable[[str], None] | None = None,
 ) -> None:
     """Load model + optimizer from ``checkpoint_dir`` the way Megatron's training loop does.
 
     Every step of the load happens here -- building the loading sharded state dict (which
-    makes the optimizer allocate its state), ``dist_checkpointing.load``, and
-    ``load_state_dict`` on model and optimizer -- so a caller can time and measure it as one.
-    Nothing loaded stays referenced after return.
+    makes the optimizer allocate its state: load pass 1), ``dist_checkpointing.load``, and
+    ``load_state_dict`` on model and optimizer (pass 2) -- so a caller can time and measure it
+    as one. ``on_phase(label)`` is called as each of these begins (labels from
+    :mod:`.memory_timeline`). Nothing loaded stays referenced after return.
     """
+    mark = on_phase or (lambda label: None)
+    mark(PHASE_SCAFFOLD)
     sharded = build_sharded_state_dict(model_chunks, optimizer, sharding_format, True)
+    mark(PHASE_READ)
     state_dict = dist_checkpointing.load(sharded, str(checkpoint_dir))
     del sharded
+    mark(PHASE_MODEL)
     model_chunks[0].load_state_dict(state_dict["model"], strict=True)
+    mark(PHASE_PAYLOAD)
     optimizer.load_state_dict(state_dict["optimizer"])

@@ -50,7 +50,12 @@ GIB: Final = float(1 << 30)
 NOTED_PEAK_DIFFERENCE: Final = 1 << 20
 
 #: Cases the Markdown report embeds by default: one FP32 case and the precision-aware case.
-REPORT_CASES: Final[tuple[str, ...]] = ("dp_reshardable", "precision_aware_bf16")
+REPORT_CASES: Final[tuple[str, ...]] = (
+    "dp_reshardable",
+    "moe",
+    "precision_aware_bf16",
+    "moe_precision_aware_bf16",
+)
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,9 @@ def resume_measurements(result: Result) -> dict[str, Any]:
     load = result["load"]
     params = int(result["model"]["optimizer_params"])
     over = load["peak_bytes"] - load["baseline_bytes"]
-    recorded = {k: result[k] for k in ("state_adoption", "instance_loader") if k in result}
+    recorded = {
+        k: result[k] for k in ("state_adoption", "instance_loader", "memory_timeline") if k in result
+    }
     return {
         "megatron_core": result["megatron_core"],
         "params_on_rank": params,

@@ -301,6 +301,27 @@ def run_train(
     return out
 
 
+def _start_timeline(baseline: int) -> tuple[Any, dict[str, Any] | None]:
+    """A started memory-timeline recorder, or None and the error record (never raises)."""
+    from benchmarks.resume_benchmark.memory_timeline import start_recorder
+
+    try:
+        return start_recorder(baseline), None
+    except Exception as error:  # noqa: BLE001 - the timeline must never fail the resume
+        return None, {"error": f"{type(error).__name__}: {error}"}
+
+
+def _stop_timeline(recorder: Any, failed: dict[str, Any] | None) -> dict[str, Any]:
+    """The recorder's timeline, or an error record (never raises)."""
+    if recorder is None:
+        return failed or {"error": "no recorder"}
+    try:
+        timeline: dict[str, Any] = recorder.stop()
+        return timeline
+    except Exception as error:  # noqa: BLE001 - the timeline must never fail the resume
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
 def run_resume(
     case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout
 ) -> dict[str, Any]:
@@ -323,13 +344,21 @@ def run_resume(
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
     progress(f"{who}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
+    recorder, timeline = _start_timeline(baseline)
     with installed_instance_loaders(case.instance_loader, inner_optimizers(optimizer)) as loaders:
         started = time.perf_counter()
         with recording_outcomes() as outcomes:
-            load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir)
+            load_checkpoint(
+                model_chunks,
+                optimizer,
+                case.sharding_format,
+                checkpoint_dir,
+                on_phase=recorder.mark if recorder is not None else None,
+            )
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated()
+    out["memory_timeline"] = _stop_timeline(recorder, timeline)
     gc.collect()
     out["load"] = {
         "baseline_bytes": baseline,
