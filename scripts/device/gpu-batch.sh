@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The GPU runs of the report, on one offline 4-GPU H200 machine (device kind nvidia-h200-x4),
+# as concurrent lanes; everything lands in $OUT/batch-<N>.tgz. Memory peaks are per process
+# (torch.cuda.max_memory_allocated), so lanes sharing a GPU do not disturb them; load times of
+# lanes running side by side are not comparable and are not reported as results.
+#   bash scripts/device/gpu-batch.sh 1   # multi-rank: 2 GPUs (DP=2, TP=2, MoE EP=2, 2->1, 1->2),
+#                                        # 4 GPUs (DP=4, TP2xDP2, EP2xDP2, 4->2, 2->4), GPU tests,
+#                                        # Megatron-LM unit tests of main
+#   bash scripts/device/gpu-batch.sh 2   # one GPU, default size: FP32 and precision-aware
+#                                        # cases (with and without the plugin), Bridge-like
+#                                        # instance loader, releases 0.16.1 and 0.18.2;
+#                                        # Megatron-LM unit tests of dev
+# Needs .gpu/ from scripts/device/make-bundle.sh. LANE_SECONDS bounds every lane (default 530).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+batch=$1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+limit=${LANE_SECONDS:-530}
+res=/tmp/res-$batch && rm -rf "$res" && mkdir -p "$res"
+out=${OUT:-/tmp/out} && mkdir -p "$out"
+
+# One shared site with TE and its dependencies; one small site per megatron-core side.
+if [[ ! -f /tmp/te/.done ]]; then
+  SKIP=megatron_core bash .gpu/wheels/install.sh /tmp/te > /dev/null && touch /tmp/te/.done
+fi
+site() {  # site DIR WHEEL...
+  [[ -f "$1/.done" ]] || { python3 -m pip install -q --no-index --no-deps --no-compile --target "$1" "${@:2}" && touch "$1/.done"; }
+}
+site /tmp/mc-upstream .gpu/wheels/megatron_core-0.19.2-*.whl
+site /tmp/mc-build .gpu/dist-0.19.2/*.whl
+site /tmp/mc-plugin .gpu/dist-0.19.2/*.whl .gpu/plugin/*.whl
+for v in 0.16.1 0.18.2; do
+  site /tmp/mc-upstream-$v .gpu/upstream/megatron_core-$v-*.whl
+  site /tmp/mc-build-$v .gpu/dist-$v/*.whl
+done
+export PYTHONPATH=/tmp/te
+{ nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__)'; git log --oneline -1; } > "$res/machine.txt" 2>&1
+
+bench() {  # bench NAME UPSTREAM BUILD ARGS...: one benchmark invocation with --check
+  local name=$1 up=$2 build=$3; shift 3
+  timeout "$limit" python3 -m benchmarks.resume_benchmark --upstream "$up" --build "$build" --check \
+    --work-dir "/tmp/work-$batch-$name" --json-out "$res/$name.json" --markdown-out "$res/$name.md" "$@" \
+    > "$res/$name.log" 2>&1
+  echo "$name exit $?" >> "$res/exits.txt"
+}
+lane() { ( "$@" ) & }
+small() { bench "$1" /tmp/mc-upstream /tmp/mc-build --preset small "${@:2}"; }
+three=dp_reshardable,fully_reshardable,dp_zero_gather_scatter
+mlm() {  # mlm BRANCH: the four variants of Megatron-LM's unit tests, without and with our series
+  MLM_DIR=.gpu/mlm TE_WHEELS=.gpu/wheels EXTRA_WHEELS=.gpu/mlm-wheels WORK=/tmp/mlm-unit \
+    TEST_TIMEOUT=120 bash upstream/run-unit-tests.sh setup > "$res/mlm-setup-$1.log" 2>&1
+  MLM_DIR=.gpu/mlm TE_WHEELS=.gpu/wheels EXTRA_WHEELS=.gpu/mlm-wheels WORK=/tmp/mlm-unit \
+    TEST_TIMEOUT=120 timeout "$limit" bash upstream/run-unit-tests.sh lanes "$res/mlm" \
+    "$1:without:2:0,1:29500" "$1:with:2:2,3:29510" "$1:without:1:1:29520" "$1:with:1:3:29530" \
+    > "$res/mlm-$1.log" 2>&1
+}
+gpu_tests() {
+  PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=$1 timeout "$limit" python3 -m pytest tests/gpu \
+    -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1
+  PYTHONPATH=/tmp/mc-build:/tmp/te CUDA_VISIBLE_DEVICES=$2 timeout "$limit" python3 -m torch.distributed.run \
+    --standalone --nproc-per-node 2 -m pytest tests/gpu/test_multirank_gpu.py -q -rA -p no:cacheprovider \
+    > "$res/gpu-tests-multirank.log" 2>&1
+}
+
+case $batch in
+1)
+  lane small dp2 --gpus 0,1 --nproc-per-node 2 --cases "$three"
+  lane small dp2-to-dp1 --gpus 0,1 --nproc-per-node 2 --resume-nproc-per-node 1 --cases "$three"
+  lane small dp1-to-dp2 --gpus 2,3 --nproc-per-node 1 --resume-nproc-per-node 2 --cases "$three"
+  lane eval 'small tp2 --gpus 2,3 --nproc-per-node 2 --tensor-model-parallel-size 2 --cases dp_reshardable; small ep2 --gpus 2,3 --nproc-per-node 2 --expert-model-parallel-size 2 --cases moe'
+  lane eval 'small dp4 --gpus 0,1,2,3 --nproc-per-node 4 --cases dp_reshardable; small tp2-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --tensor-model-parallel-size 2 --cases dp_reshardable; small ep2-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --expert-model-parallel-size 2 --cases moe'
+  lane small dp4-to-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --resume-nproc-per-node 2 --cases "$three"
+  lane small dp2-to-dp4 --gpus 0,1,2,3 --nproc-per-node 2 --resume-nproc-per-node 4 --cases "$three"
+  lane gpu_tests 1 2,3
+  lane mlm main
+  ;;
+2)
+  lane eval 'bench fp32-pa-plugin /tmp/mc-upstream /tmp/mc-plugin --gpus 0 --cases dp_reshardable,precision_aware_bf16'
+  lane eval 'bench moe-plugin /tmp/mc-upstream /tmp/mc-plugin --gpus 1 --cases moe,moe_precision_aware_bf16'
+  lane eval 'bench pa-no-plugin /tmp/mc-upstream /tmp/mc-build --gpus 2 --cases precision_aware_bf16; bench bridge-like /tmp/mc-upstream /tmp/mc-build --gpus 2 --instance-loader bridge-like --cases dp_reshardable'
+  lane eval 'bench release-0.16.1 /tmp/mc-upstream-0.16.1 /tmp/mc-build-0.16.1 --gpus 3 --cases dp_reshardable; bench release-0.18.2 /tmp/mc-upstream-0.18.2 /tmp/mc-build-0.18.2 --gpus 3 --cases dp_reshardable'
+  lane mlm dev
+  ;;
+*) echo "unknown batch $batch" >&2; exit 2 ;;
+esac
+wait
+tar czf "$out/batch-$batch.tgz" -C "$res" .
+cat "$res/exits.txt"; grep -h "passed\|failed" "$res"/gpu-tests*.log 2>/dev/null | tail -3
+cat "$res"/mlm/*/summary.txt 2>/dev/null
