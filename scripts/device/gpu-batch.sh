@@ -63,6 +63,16 @@ gpu_tests() {
 }
 
 case $batch in
+0)  # smoke: every code path once, tiny model
+  tiny() { bench "$1" /tmp/mc-upstream /tmp/mc-build --preset tiny "${@:2}"; }
+  lane tiny smoke-dp2 --gpus 0,1 --nproc-per-node 2 --cases dp_reshardable
+  lane tiny smoke-dp2-to-dp1 --gpus 0,1 --nproc-per-node 2 --resume-nproc-per-node 1 --cases fully_reshardable
+  lane tiny smoke-ep2 --gpus 2,3 --nproc-per-node 2 --expert-model-parallel-size 2 --cases moe
+  lane eval 'tiny smoke-bridge --gpus 3 --instance-loader bridge-like --cases dp_reshardable'
+  lane eval 'bench smoke-pa /tmp/mc-upstream /tmp/mc-plugin --preset tiny --gpus 2 --cases moe_precision_aware_bf16'
+  lane eval 'bench smoke-0.16.1 /tmp/mc-upstream-0.16.1 /tmp/mc-build-0.16.1 --preset tiny --gpus 1 --cases dp_reshardable'
+  lane eval 'PYTHONPATH=/tmp/mc-build:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/gpu/test_memory_timeline_gpu.py -q -rA -p no:cacheprovider > $res/smoke-timeline.log 2>&1; PYTHONPATH=/tmp/mc-build:/tmp/te CUDA_VISIBLE_DEVICES=2,3 timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m pytest tests/gpu/test_multirank_gpu.py -q -rA -p no:cacheprovider > $res/smoke-multirank.log 2>&1'
+  ;;
 1)
   lane small dp2 --gpus 0,1 --nproc-per-node 2 --cases "$three"
   lane small dp2-to-dp1 --gpus 0,1 --nproc-per-node 2 --resume-nproc-per-node 1 --cases "$three"
