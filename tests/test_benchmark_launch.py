@@ -62,7 +62,7 @@ def test_single_rank_command_is_the_plain_worker_command() -> None:
 
 def test_multi_rank_command_goes_through_torchrun() -> None:
     command = worker_command("/py", "resume", Path("/w/r.result.json"), Path("/w/r.spec.json"), 4)
-    assert command[:11] == [
+    assert command[:9] == [
         "/py",
         "-m",
         "torch.distributed.run",
@@ -71,11 +71,9 @@ def test_multi_rank_command_goes_through_torchrun() -> None:
         "4",
         "--tee",
         "3",
-        "--log-line-prefix-template",
-        "[rank${rank}]: ",
         "-m",
     ]
-    assert command[11:] == [
+    assert command[9:] == [
         "benchmarks.resume_benchmark.worker",
         "--phase",
         "resume",
@@ -93,10 +91,20 @@ def test_torchrun_accepts_the_launcher_flags() -> None:
     command = worker_command(sys.executable, "train", Path("r.json"), Path("s.json"), 2)
     parsed = get_args_parser().parse_args(command[3:])
     assert parsed.standalone and parsed.module and parsed.nproc_per_node == "2"
-    assert parsed.tee == "3" and parsed.log_line_prefix_template == "[rank${rank}]: "
+    assert parsed.tee == "3" and not parsed.log_line_prefix_template  # given in the environment
     assert parsed.training_script == "benchmarks.resume_benchmark.worker"
     assert parsed.training_script_args == ["--phase", "train", "--result", "r.json",
                                            "--spec", "s.json"]  # fmt: skip
+
+
+def test_rank_prefixes_are_recognised_in_either_form() -> None:
+    """Ours, set through TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, and torch's default."""
+    from benchmarks.resume_benchmark.launch import RANK_LINE_PREFIX, RANK_LINE_PREFIX_ENV
+
+    template = RANK_LINE_PREFIX_ENV["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
+    assert RANK_LINE_PREFIX.match(template.replace("${rank}", "3") + "x")[1] == "3"  # type: ignore[index]
+    assert RANK_LINE_PREFIX.match("[default1]:Traceback")[1] == "1"  # type: ignore[index]
+    assert RANK_LINE_PREFIX.match("[W1129 20:20:53] warning") is None
 
 
 def test_a_phase_needs_a_rank() -> None:

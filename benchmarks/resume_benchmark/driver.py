@@ -26,6 +26,7 @@ from typing import Any, TextIO
 from benchmarks.resume_benchmark.cases import BenchmarkCase
 from benchmarks.resume_benchmark.launch import (
     RANK_LINE_PREFIX,
+    RANK_LINE_PREFIX_ENV,
     ParallelLayout,
     rank_result_path,
     worker_command,
@@ -142,7 +143,7 @@ def run_phase(
         proc = subprocess.Popen(
             command,
             cwd=workspace.shim,
-            env=worker_environment(side, REPO_ROOT),
+            env={**worker_environment(side, REPO_ROOT), **RANK_LINE_PREFIX_ENV},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -25,10 +25,14 @@ from benchmarks.resume_benchmark.cases import (
 #: The worker module every phase runs.
 WORKER_MODULE: Final = "benchmarks.resume_benchmark.worker"
 
-#: How ``torch.distributed.run`` prefixes each console line of a rank (``--tee 3``).
+#: How ``torch.distributed.run`` prefixes each console line of a rank (``--tee 3``), set through
+#: the environment (:data:`RANK_LINE_PREFIX_ENV`): torch 2.11 reads the variable but has no
+#: command-line flag for it.
 RANK_LINE_PREFIX_TEMPLATE: Final = "[rank${rank}]: "
-#: Matches that prefix; group 1 is the global rank.
-RANK_LINE_PREFIX: Final = re.compile(r"^\[rank(\d+)\]: ")
+RANK_LINE_PREFIX_ENV: Final = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_LINE_PREFIX_TEMPLATE}
+#: Matches that prefix, or torch's default ``[default<local rank>]:`` (one node: the global
+#: rank); group 1 is the rank.
+RANK_LINE_PREFIX: Final = re.compile(r"^\[(?:rank|default)(\d+)\]: ?")
 
 #: Sharding formats whose ``torch_dist`` checkpoint Megatron-Core can load at another
 #: data-parallel size (read from 0.19.2, see docs/multi-gpu.md; 0.16.1 and 0.18.2 have the same
@@ -228,7 +232,7 @@ def worker_command(
 
     One rank: the plain process ``python -m benchmarks.resume_benchmark.worker ...``. More:
     ``torch.distributed.run --standalone``, every rank's output on the launcher's console with
-    its rank prefixed (:data:`RANK_LINE_PREFIX_TEMPLATE`).
+    its rank prefixed (:data:`RANK_LINE_PREFIX_TEMPLATE`, given in the environment).
     """
     if nproc < 1:
         raise ValueError(f"a phase needs at least one rank, got {nproc}")
@@ -242,8 +246,6 @@ def worker_command(
             str(nproc),
             "--tee",
             "3",
-            "--log-line-prefix-template",
-            RANK_LINE_PREFIX_TEMPLATE,
         ]
     command = [*launcher, "-m", WORKER_MODULE, "--phase", phase, "--result", str(result_path)]
     if spec_path is not None:

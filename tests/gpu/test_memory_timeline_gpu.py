@@ -61,7 +61,7 @@ def test_history_reproduces_the_allocator_statistics() -> None:
     assert timeline["source"] == SOURCE_HISTORY
     assert timeline["dropped_events"] is False
     check = timeline["clock_check"]
-    assert check["markers_found"] == check["markers_expected"] == 4
+    assert check["markers_found"] == check["markers_expected"] == 5  # start, one, two, end, stop
     assert [p["label"] for p in timeline["phases"]] == ["one", "two"]
     assert timeline["consistency"]["peak_difference_bytes"] == 0
     assert timeline["consistency"]["end_difference_bytes"] == 0
