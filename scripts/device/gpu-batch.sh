@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU runs of the report, on one offline 4-GPU H200 machine (device kind nvidia-h200-x4),
-# as concurrent lanes; everything lands in $OUT/batch-<N>.tgz. Memory peaks are per process
+# The GPU runs of the report, on one offline H200 machine with 4 GPUs (device kind
+# nvidia-h200-x4) or 2 (nvidia-h200-x2; the 4-GPU layouts are then left out), as concurrent
+# lanes; everything lands in $OUT/batch-<N>.tgz. Memory peaks are per process
 # (torch.cuda.max_memory_allocated), so lanes sharing a GPU do not disturb them; load times of
 # lanes running side by side are not comparable and are not reported as results.
 #   bash scripts/device/gpu-batch.sh 1   # multi-rank: 2 GPUs (DP=2, TP=2, MoE EP=2, 2->1, 1->2),
@@ -34,6 +35,9 @@ for v in 0.16.1 0.18.2; do
   site /tmp/mc-build-$v .gpu/dist-$v/*.whl
 done
 export PYTHONPATH=/tmp/te
+ngpu=$(nvidia-smi -L | wc -l)
+if ((ngpu >= 4)); then pair_a=0,1 pair_b=2,3 g0=0 g1=1 g2=2 g3=3
+else pair_a=0,1 pair_b=0,1 g0=0 g1=1 g2=0 g3=1; fi
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__)'; git log --oneline -1; } > "$res/machine.txt" 2>&1
 
 bench() {  # bench NAME UPSTREAM BUILD ARGS...: one benchmark invocation with --check
@@ -51,7 +55,7 @@ mlm() {  # mlm BRANCH: the four variants of Megatron-LM's unit tests, without an
     TEST_TIMEOUT=120 bash upstream/run-unit-tests.sh setup > "$res/mlm-setup-$1.log" 2>&1
   MLM_DIR=.gpu/mlm TE_WHEELS=.gpu/wheels EXTRA_WHEELS=.gpu/mlm-wheels WORK=/tmp/mlm-unit \
     TEST_TIMEOUT=120 timeout "$limit" bash upstream/run-unit-tests.sh lanes "$res/mlm" \
-    "$1:without:2:0,1:29500" "$1:with:2:2,3:29510" "$1:without:1:1:29520" "$1:with:1:3:29530" \
+    "$1:without:2:$pair_a:29500" "$1:with:2:$pair_b:29510" "$1:without:1:$g1:29520" "$1:with:1:$g3:29530" \
     > "$res/mlm-$1.log" 2>&1
 }
 gpu_tests() {
@@ -74,21 +78,23 @@ case $batch in
   lane eval 'PYTHONPATH=/tmp/mc-build:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/gpu/test_memory_timeline_gpu.py -q -rA -p no:cacheprovider > $res/smoke-timeline.log 2>&1; PYTHONPATH=/tmp/mc-build:/tmp/te CUDA_VISIBLE_DEVICES=2,3 timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m pytest tests/gpu/test_multirank_gpu.py -q -rA -p no:cacheprovider > $res/smoke-multirank.log 2>&1'
   ;;
 1)
-  lane small dp2 --gpus 0,1 --nproc-per-node 2 --cases "$three"
-  lane small dp2-to-dp1 --gpus 0,1 --nproc-per-node 2 --resume-nproc-per-node 1 --cases "$three"
-  lane small dp1-to-dp2 --gpus 2,3 --nproc-per-node 1 --resume-nproc-per-node 2 --cases "$three"
-  lane eval 'small tp2 --gpus 2,3 --nproc-per-node 2 --tensor-model-parallel-size 2 --cases dp_reshardable; small ep2 --gpus 2,3 --nproc-per-node 2 --expert-model-parallel-size 2 --cases moe'
-  lane eval 'small dp4 --gpus 0,1,2,3 --nproc-per-node 4 --cases dp_reshardable; small tp2-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --tensor-model-parallel-size 2 --cases dp_reshardable; small ep2-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --expert-model-parallel-size 2 --cases moe'
-  lane small dp4-to-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --resume-nproc-per-node 2 --cases "$three"
-  lane small dp2-to-dp4 --gpus 0,1,2,3 --nproc-per-node 2 --resume-nproc-per-node 4 --cases "$three"
-  lane gpu_tests 1 2,3
+  lane small dp2 --gpus $pair_a --nproc-per-node 2 --cases "$three"
+  lane small dp2-to-dp1 --gpus $pair_a --nproc-per-node 2 --resume-nproc-per-node 1 --cases "$three"
+  lane small dp1-to-dp2 --gpus $pair_b --nproc-per-node 1 --resume-nproc-per-node 2 --cases "$three"
+  lane eval 'small tp2 --gpus $pair_b --nproc-per-node 2 --tensor-model-parallel-size 2 --cases dp_reshardable; small ep2 --gpus $pair_b --nproc-per-node 2 --expert-model-parallel-size 2 --cases moe'
+  if ((ngpu >= 4)); then
+    lane eval 'small dp4 --gpus 0,1,2,3 --nproc-per-node 4 --cases dp_reshardable; small tp2-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --tensor-model-parallel-size 2 --cases dp_reshardable; small ep2-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --expert-model-parallel-size 2 --cases moe'
+    lane small dp4-to-dp2 --gpus 0,1,2,3 --nproc-per-node 4 --resume-nproc-per-node 2 --cases "$three"
+    lane small dp2-to-dp4 --gpus 0,1,2,3 --nproc-per-node 2 --resume-nproc-per-node 4 --cases "$three"
+  fi
+  lane gpu_tests $g1 $pair_b
   lane mlm main
   ;;
 2)
-  lane eval 'bench fp32-pa-plugin /tmp/mc-upstream /tmp/mc-plugin --gpus 0 --cases dp_reshardable,precision_aware_bf16'
-  lane eval 'bench moe-plugin /tmp/mc-upstream /tmp/mc-plugin --gpus 1 --cases moe,moe_precision_aware_bf16'
-  lane eval 'bench pa-no-plugin /tmp/mc-upstream /tmp/mc-build --gpus 2 --cases precision_aware_bf16; bench bridge-like /tmp/mc-upstream /tmp/mc-build --gpus 2 --instance-loader bridge-like --cases dp_reshardable'
-  lane eval 'bench release-0.16.1 /tmp/mc-upstream-0.16.1 /tmp/mc-build-0.16.1 --gpus 3 --cases dp_reshardable; bench release-0.18.2 /tmp/mc-upstream-0.18.2 /tmp/mc-build-0.18.2 --gpus 3 --cases dp_reshardable'
+  lane eval 'bench fp32-pa-plugin /tmp/mc-upstream /tmp/mc-plugin --gpus $g0 --cases dp_reshardable,precision_aware_bf16'
+  lane eval 'bench moe-plugin /tmp/mc-upstream /tmp/mc-plugin --gpus $g1 --cases moe,moe_precision_aware_bf16'
+  lane eval 'bench pa-no-plugin /tmp/mc-upstream /tmp/mc-build --gpus $g2 --cases precision_aware_bf16; bench bridge-like /tmp/mc-upstream /tmp/mc-build --gpus $g2 --instance-loader bridge-like --cases dp_reshardable'
+  lane eval 'bench release-0.16.1 /tmp/mc-upstream-0.16.1 /tmp/mc-build-0.16.1 --gpus $g3 --cases dp_reshardable; bench release-0.18.2 /tmp/mc-upstream-0.18.2 /tmp/mc-build-0.18.2 --gpus $g3 --cases dp_reshardable'
   lane mlm dev
   ;;
 *) echo "unknown batch $batch" >&2; exit 2 ;;
