@@ -124,3 +124,19 @@ def test_state_for_a_tensor_that_is_no_parameter_is_caught() -> None:
     with pytest.raises(AssertionError, match="the adopted state has other entries than the optimizer's own loader"):
         assert_adoption_matches_own_loader(_ForeignEntry(), fresh_standin, _payload, CONFIGS)
 
+
+class _TensorisingAdopter(_ByReference):
+    """Turns the non-tensor state value into a one-element tensor of the same value."""
+
+    name = "tensorising"
+
+    def adopt(self, context: StateAdoptionContext) -> Any:
+        super().adopt(context)
+        for entry in context.optimizer.state.values():
+            entry["restarts"] = torch.tensor(entry["restarts"])
+        return 0
+
+
+def test_a_number_turned_into_a_tensor_is_not_bitwise_equal() -> None:
+    with pytest.raises(AssertionError, match="parameter 0 restarts differs"):
+        assert_adoption_matches_own_loader(_TensorisingAdopter(), _sgd_with_counter, _sgd_payload, CONFIGS)
