@@ -31,10 +31,10 @@ if [[ ! -x $venv/bin/mutmut ]]; then
   echo "== install: pip install . ./examples/te-precision-aware-adopter -r requirements/mutation.txt"
   "$venv/bin/python" -m pip install -q . ./examples/te-precision-aware-adopter -r requirements/mutation.txt
 fi
-echo "== $("$venv/bin/python" -m pip show mutmut | grep '^Version:' | sed 's/^/mutmut /')," \
-  "megatron-core $("$venv/bin/python" -m pip show megatron-core | grep '^Version:' | cut -d' ' -f2)"
+version() { "$venv/bin/python" -m pip show "$1" | sed -n 's/^Version: //p'; }
+echo "== mutmut $(version mutmut), megatron-core $(version megatron-core), $("$venv/bin/python" --version)"
 
-installed=$("$venv/bin/python" -c 'import pathlib, megatron.core.optimizer as m; print(pathlib.Path(m.__file__).parent / "state_adoption")')
+installed=$("$venv/bin/python" -W ignore -c 'import pathlib, megatron.core.optimizer as m; print(pathlib.Path(m.__file__).parent / "state_adoption")' 2>/dev/null)
 aside="$installed.installed"
 restore() {
   if [[ -L $installed ]]; then rm "$installed"; fi
