@@ -38,9 +38,11 @@ def _groups_without_params(optimizer: torch.optim.Optimizer) -> List[Dict[str, A
 
 
 def _bitwise_equal(left: Any, right: Any) -> bool:
-    if isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor):
+    if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):  # a tensor equals only a tensor
         return (
-            left.dtype == right.dtype
+            isinstance(left, torch.Tensor)
+            and isinstance(right, torch.Tensor)
+            and left.dtype == right.dtype
             and left.shape == right.shape
             and bool(
                 torch.equal(
