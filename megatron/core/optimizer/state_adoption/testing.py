@@ -38,7 +38,9 @@ def _groups_without_params(optimizer: torch.optim.Optimizer) -> List[Dict[str, A
 
 
 def _bitwise_equal(left: Any, right: Any) -> bool:
-    if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):  # a tensor equals only a tensor
+    if isinstance(left, torch.Tensor) or isinstance(
+        right, torch.Tensor
+    ):  # a tensor equals only a tensor
         return (
             isinstance(left, torch.Tensor)
             and isinstance(right, torch.Tensor)
