@@ -27,7 +27,7 @@ held state TE would lay out differently, incoming tensors overlapping held ones,
 non-precision-aware owner (the default FP32 adopter handles that).
 """
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -78,14 +78,11 @@ class TEFusedAdamPrecisionAwareStateAdopter:
         Returns:
             Optional[str]: None to accept, otherwise why TE's loader should run.
         """
-        optimizer = context.optimizer
         reason = first_decline_reason(
             (
-                lambda: owner_decline_reason(context, precision_aware=True),
-                lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
+                lambda: self._mode_decline_reason(context),
                 # Post-hooks are declined too: adopt() runs PyTorch's loader without the state.
-                lambda: load_hooks_decline_reason(optimizer, allow_post_hooks=False),
-                lambda: _settings_decline_reason(optimizer),
+                lambda: load_hooks_decline_reason(context.optimizer, allow_post_hooks=False),
             )
         )
         if reason is not None:
@@ -110,9 +107,7 @@ class TEFusedAdamPrecisionAwareStateAdopter:
         optimizer = context.optimizer
         return first_decline_reason(
             (
-                lambda: owner_decline_reason(context, precision_aware=True),
-                lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
-                lambda: _settings_decline_reason(optimizer),
+                lambda: self._mode_decline_reason(context),
                 lambda: held_state_export_decline_reason(
                     optimizer,
                     self._param_decline_reason,
@@ -164,6 +159,18 @@ class TEFusedAdamPrecisionAwareStateAdopter:
                 optimizer.state[param] = held[param]
                 installed_bytes += load_into_held_state(held[param], incoming)
         return installed_bytes
+
+    def _mode_decline_reason(
+        self, context: Union[StateAdoptionContext, StateExportContext]
+    ) -> Optional[str]:
+        """None for a precision-aware owner of an unmodified TE FusedAdam with BF16 moments."""
+        return first_decline_reason(
+            (
+                lambda: owner_decline_reason(context, precision_aware=True),
+                lambda: te_fused_adam_decline_reason(context.optimizer, self._fused_adam_class),
+                lambda: _settings_decline_reason(context.optimizer),
+            )
+        )
 
     def _held_decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
         """None if the incoming values can be loaded into the state the optimizer holds."""
