@@ -25,12 +25,9 @@ class PyTorchLoaderAdopter:
             return f"not a {self.optimizer_class.__name__}"
         return None
 
-    def adopt(self, context: StateAdoptionContext) -> int:
+    def adopt(self, context: StateAdoptionContext) -> None:
         torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
         self.adopted.append(context)
-        return sum(
-            t.nbytes for s in context.state_dict["state"].values() for t in s.values() if isinstance(t, torch.Tensor)
-        )
 
 
 class DecliningAdopter:
@@ -45,7 +42,7 @@ class DecliningAdopter:
         self.checks += 1
         return self.reason
 
-    def adopt(self, context: StateAdoptionContext) -> int:
+    def adopt(self, context: StateAdoptionContext) -> None:
         raise AssertionError("adopt() called although decline_reason() declined")
 
 
@@ -73,7 +70,7 @@ class HalfInstallingAdopter:
     def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
         return None
 
-    def adopt(self, context: StateAdoptionContext) -> int:
+    def adopt(self, context: StateAdoptionContext) -> None:
         optimizer = context.optimizer
         first_param = optimizer.param_groups[0]["params"][0]
         first_id = context.state_dict["param_groups"][0]["params"][0]
@@ -88,16 +85,19 @@ class HalfInstallingAdopter:
         raise RuntimeError("failed half-way")
 
 
-class GarbageAdoptAdopter:
-    """Installs the state with PyTorch's loader but returns ``result`` instead of bytes."""
+class CopyingAdopter:
+    """Accepts and installs copies of the incoming tensors (what PyTorch's loader would do if
+    it stopped keeping them by reference): the loader must measure the allocation."""
 
-    def __init__(self, result: Any) -> None:
-        self.name = f"returns_{result!r}"
-        self.result = result
+    name = "copying"
 
     def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
         return None
 
-    def adopt(self, context: StateAdoptionContext) -> Any:
-        torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
-        return self.result
+    def adopt(self, context: StateAdoptionContext) -> None:
+        copied = {
+            key: {name: value.clone() for name, value in entry.items()}
+            for key, entry in context.state_dict["state"].items()
+        }
+        state_dict = {"state": copied, "param_groups": context.state_dict["param_groups"]}
+        torch.optim.Optimizer.load_state_dict(context.optimizer, state_dict)

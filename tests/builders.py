@@ -11,7 +11,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.state_adoption import StateAdoptionContext
+from megatron.core.optimizer.state_adoption import StateAdopterRegistry, StateAdoptionContext
 from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 PARAM_SHAPES = [(64,), (16, 8), (7,), (33,)]
@@ -82,7 +82,15 @@ def make_context(
     optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any], **overrides: Any
 ) -> StateAdoptionContext:
     """A context as a non-FSDP, non-offloaded, FP32 DistributedOptimizer would build it."""
-    return StateAdoptionContext.for_owner(Owner(optimizer, **overrides), state_dict)
+    return StateAdoptionContext.for_owner(Owner(optimizer, **overrides), state_dict=state_dict)
+
+
+def standin_registry(*adopters: Any) -> StateAdopterRegistry:
+    """A registry without entry-point discovery holding ``adopters`` (default: the stand-in one)."""
+    registry = StateAdopterRegistry(entry_point_group=None)
+    for adopter in adopters or (standin_adopter(),):
+        registry.register(adopter)
+    return registry
 
 
 def standin_adopter(param_device_type: str = "cpu") -> TEFusedAdamFP32StateAdopter:
@@ -107,7 +115,7 @@ def assert_bitwise_equal(left: List[torch.Tensor], right: List[torch.Tensor]) ->
     assert len(left) == len(right)
     for a, b in zip(left, right):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def config_with(**changes: Any) -> OptimizerConfig:

@@ -9,20 +9,18 @@ TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))
 sys.path.insert(0, str(TESTS_DIR.parent))  # benchmarks/ (its model builder serves the GPU tests)
 
-from builders import standin_adopter  # noqa: E402
+from builders import standin_registry  # noqa: E402
 
-from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry  # noqa: E402
+from megatron.core.optimizer.state_adoption import StateAdopterRegistry  # noqa: E402
 
 
 @pytest.fixture
-def registry() -> _StateAdopterRegistry:
+def registry() -> StateAdopterRegistry:
     """A registry without entry-point discovery holding only the stand-in adopter."""
-    fresh = _StateAdopterRegistry(entry_point_group=None)
-    fresh.register(standin_adopter())
-    return fresh
+    return standin_registry()
 
 
 @pytest.fixture
-def empty_registry() -> _StateAdopterRegistry:
+def empty_registry() -> StateAdopterRegistry:
     """A registry without adopters and without entry-point discovery."""
-    return _StateAdopterRegistry(entry_point_group=None)
+    return StateAdopterRegistry(entry_point_group=None)

@@ -13,27 +13,27 @@ registered :class:`StateAdopter` that accepts installs the state (and, if it is 
 Registered by default: the ``te_fused_adam_fp32`` adopter
 (:class:`~.te_fused_adam.TEFusedAdamFP32StateAdopter`), which installs FP32 Adam moments
 into Transformer Engine's FusedAdam by reference instead of letting TE allocate a second copy
-(8 bytes per parameter of transient memory). ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1``
-switches all adoption off; ``MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,...`` skips the
-named adopters.
+(8 bytes per parameter of transient memory). ``OptimizerConfig.optimizer_state_adoption =
+False`` (Megatron-LM: ``--no-optimizer-state-adoption``) switches all adoption off; for the
+drop-in build, ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1`` does too, and
+``MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,...`` skips the named adopters.
 """
 
 from .adopter import StateAdopter, StateAdoptionContext, StateExportContext, StateExporter
 from .loader import export_inner_optimizer_state_dict, load_inner_optimizer_state_dict
-from .outcome import StateAdoptionOutcome, register_outcome_hook
+from .outcome import StateAdoptionOutcome
 from .registry import (
-    _DEFAULT_REGISTRY,
     StateAdopterRegistration,
+    StateAdopterRegistry,
+    register_outcome_hook,
     register_state_adopter,
     registered_state_adopters,
 )
-from .te_fused_adam import TEFusedAdamFP32StateAdopter
-
-_DEFAULT_REGISTRY.register(TEFusedAdamFP32StateAdopter(), origin="built-in")
 
 __all__ = [
     "StateAdopter",
     "StateAdopterRegistration",
+    "StateAdopterRegistry",
     "StateAdoptionContext",
     "StateAdoptionOutcome",
     "StateExportContext",

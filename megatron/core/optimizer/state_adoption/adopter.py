@@ -1,17 +1,18 @@
-"""The state adopter protocols and the contexts an adopter is given.
+"""The state adopter and exporter protocols, and the contexts they are given.
 
 A *state adopter* installs an inner optimizer's state while a ``DistributedOptimizer`` loads
 a checkpoint, instead of the inner optimizer's own ``load_state_dict``. Its purpose is to
 avoid work the own loader would do needlessly, e.g. allocating a second copy of tensors that
 already have the exact dtype, device and shape the optimizer uses.
 
-An adopter may also be a *state exporter*: it then supplies the inner state dict that
-``DistributedOptimizer.load_state_dict`` works from, instead of the inner optimizer's own
-``state_dict()``, e.g. the held state tensors as they are instead of FP32 copies of them.
+A *state exporter* (an adopter that also implements :class:`StateExporter`) supplies the inner
+state dict that ``DistributedOptimizer.load_state_dict`` starts from, instead of the inner
+optimizer's own ``state_dict()``: the state as the optimizer holds it, where the own method
+would return converted copies.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, Self, runtime_checkable
 
 import torch
 
@@ -24,14 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["StateAdopter", "StateAdoptionContext", "StateExportContext", "StateExporter"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StateExportContext:
-    """What an exporter may inspect when ``DistributedOptimizer.load_state_dict`` begins.
+    """The inner optimizer and what is known of its owner, at either hook point.
 
     Attributes:
-        optimizer (torch.optim.Optimizer): the inner optimizer whose state dict is needed.
-        config (OptimizerConfig, optional): the owning optimizer's config; None when the
-            state is exported without an owner.
+        optimizer (torch.optim.Optimizer): the inner optimizer (e.g. Transformer Engine's
+            FusedAdam).
+        config (OptimizerConfig, optional): the owner's config; None without an owner.
         ddp_config (DistributedDataParallelConfig, optional): the config of the owner's
             model chunks; None when unknown.
         is_stub_optimizer (bool): True when the owner is a stub without real parameters.
@@ -43,67 +44,38 @@ class StateExportContext:
     is_stub_optimizer: bool = False
 
     @classmethod
-    def for_owner(cls, owner: Any) -> "StateExportContext":
+    def for_owner(cls, owner: Any, **fields: Any) -> Self:
         """Build the context for the inner optimizer of ``owner``.
 
         Args:
             owner (Any): a ``DistributedOptimizer`` (anything with an ``optimizer``
                 attribute; ``config``, ``ddp_config`` and ``is_stub_optimizer`` are read
                 when present).
+            **fields (Any): the fields of a subclass, e.g. ``state_dict``.
 
         Returns:
-            StateExportContext: the context handed to every exporter.
+            Self: the context handed to every adopter or exporter.
         """
         return cls(
             optimizer=owner.optimizer,
             config=getattr(owner, "config", None),
             ddp_config=getattr(owner, "ddp_config", None),
             is_stub_optimizer=bool(getattr(owner, "is_stub_optimizer", False)),
+            **fields,
         )
 
 
-@dataclass(frozen=True)
-class StateAdoptionContext:
-    """Everything an adopter may inspect while an inner optimizer's state is loaded.
+@dataclass(frozen=True, kw_only=True)
+class StateAdoptionContext(StateExportContext):
+    """An export context plus the state dict to install.
 
     Attributes:
-        optimizer (torch.optim.Optimizer): the inner optimizer (e.g. Transformer Engine's
-            FusedAdam) whose state is being loaded.
         state_dict (Mapping[str, Any]): the assembled ``{"state", "param_groups"}`` dict, in
             the format of ``torch.optim.Optimizer.state_dict()``. Adopters must neither
             mutate it nor write into its tensors.
-        config (OptimizerConfig, optional): the owning optimizer's config; None when the
-            state is loaded without an owner.
-        ddp_config (DistributedDataParallelConfig, optional): the config of the owner's
-            model chunks; None when unknown.
-        is_stub_optimizer (bool): True when the owner is a stub without real parameters.
     """
 
-    optimizer: torch.optim.Optimizer
     state_dict: Mapping[str, Any]
-    config: Optional["OptimizerConfig"] = None
-    ddp_config: Optional["DistributedDataParallelConfig"] = None
-    is_stub_optimizer: bool = False
-
-    @classmethod
-    def for_owner(cls, owner: Any, state_dict: Mapping[str, Any]) -> "StateAdoptionContext":
-        """Build the context for the inner optimizer of ``owner``.
-
-        Args:
-            owner (Any): a ``DistributedOptimizer`` (see :meth:`StateExportContext.for_owner`).
-            state_dict (Mapping[str, Any]): the assembled inner state dict.
-
-        Returns:
-            StateAdoptionContext: the context handed to every adopter.
-        """
-        export_context = StateExportContext.for_owner(owner)
-        return cls(
-            optimizer=export_context.optimizer,
-            state_dict=state_dict,
-            config=export_context.config,
-            ddp_config=export_context.ddp_config,
-            is_stub_optimizer=export_context.is_stub_optimizer,
-        )
 
 
 @runtime_checkable
@@ -111,7 +83,8 @@ class StateAdopter(Protocol):
     """Installs an inner optimizer's state in place of the optimizer's own loader.
 
     Contract:
-        * ``name`` is unique among the registered adopters.
+        * ``name`` is unique among the registered adopters: letters, digits, ``_``, ``.``
+          and ``-``, starting with a letter (it is what disables the adopter by name).
         * ``decline_reason`` is side-effect free: it reads the context and returns None to
           accept or a human-readable reason to decline. If it raises, the adopter counts as
           declining.
@@ -120,7 +93,13 @@ class StateAdopter(Protocol):
           the state (all-or-nothing). If it raises anyway, the optimizer's previous
           ``state`` and ``param_groups`` are restored and the optimizer's own
           ``load_state_dict`` runs instead.
+        * Neither is offered an optimizer with ``load_state_dict`` hooks or with a
+          ``load_state_dict`` set on the instance: those always get the own loader.
         * Both may be called from any rank and must not communicate.
+
+    What an adoption saved is measured, not claimed: after the install, the loader counts
+    the state bytes that are tensors which existed before the call (installed by reference)
+    and those that were newly allocated.
     """
 
     name: str
@@ -136,15 +115,11 @@ class StateAdopter(Protocol):
         """
         ...
 
-    def adopt(self, context: StateAdoptionContext) -> int:
+    def adopt(self, context: StateAdoptionContext) -> None:
         """Install ``context.state_dict`` into ``context.optimizer``.
 
         Args:
-            context (StateAdoptionContext): the optimizer and the incoming state.
-
-        Returns:
-            int: bytes of memory the optimizer's own loader would have allocated and this
-            adoption did not.
+            context (StateAdoptionContext): a context this adopter accepted.
         """
         ...
 
@@ -158,11 +133,15 @@ class StateExporter(Protocol):
 
     Contract:
         * ``export_decline_reason`` is side-effect free, like ``decline_reason``.
-        * ``export_state_dict`` changes nothing. The dict it returns must be
-          interchangeable with ``optimizer.state_dict()`` for that caller: the same
-          ``param_groups``, and per parameter state values that every loader (the
-          optimizer's own and any adopter) turns into the same bits. If it raises or
-          returns a malformed dict, the optimizer's own ``state_dict()`` is used.
+        * ``export_state_dict`` changes nothing and returns PyTorch's state dict of the
+          optimizer *as it holds its state*: the param groups and ids PyTorch assigns, and per
+          parameter exactly the held keys, each tensor the held tensor itself (not a copy), so
+          that every loader turns it into the same bits as the own ``state_dict()``. It is
+          checked against the held state (same ids, groups, order, keys, shapes, dtypes,
+          devices and storages); if it raises or does not match, the own ``state_dict()`` is
+          used.
+        * Neither is offered an optimizer with ``state_dict`` hooks or with a ``state_dict``
+          set on the instance.
         * Both may be called from any rank and must not communicate.
     """
 
@@ -179,14 +158,13 @@ class StateExporter(Protocol):
         """
         ...
 
-    def export_state_dict(self, context: StateExportContext) -> Tuple[Dict[str, Any], int]:
-        """Return the inner state dict of ``context.optimizer``.
+    def export_state_dict(self, context: StateExportContext) -> Dict[str, Any]:
+        """Return the state dict of ``context.optimizer`` as it holds its state.
 
         Args:
             context (StateExportContext): a context this exporter accepted.
 
         Returns:
-            Tuple[Dict[str, Any], int]: the ``{"state", "param_groups"}`` dict, and the bytes
-            the optimizer's own ``state_dict()`` would have allocated and this export did not.
+            Dict[str, Any]: the ``{"state", "param_groups"}`` dict.
         """
         ...

@@ -3,36 +3,184 @@
 :func:`export_inner_optimizer_state_dict` stands where it reads the inner optimizer's state
 dict, :func:`load_inner_optimizer_state_dict` where it loads the assembled state into the
 inner optimizer. Each offers the call to the registered adopters in order; the first that
-accepts handles it. If none accepts, if adoption is switched off, or if the accepting
-adopter fails, the inner optimizer's own ``state_dict``/``load_state_dict`` runs exactly as
-it would without this module. Neither ever bypasses a ``state_dict``/``load_state_dict``
-set on the optimizer *instance* (e.g. by a wrapper), because upstream would call it.
+accepts handles it. The inner optimizer's own ``state_dict``/``load_state_dict`` runs, exactly
+as it would without this module, when
+
+* adoption is switched off: ``OptimizerConfig.optimizer_state_adoption = False``, or, for the
+  drop-in build, ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1`` (an unrecognised value switches
+  it off too, with a warning);
+* the optimizer *instance* carries its own method (a wrapper, Megatron-Bridge's loader), or
+  has hooks for it registered: upstream would run them, exactly once;
+* no adopter accepts (``MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,...`` skips adopters by
+  name), or the accepting one fails (the optimizer is then restored first).
+
+Every call ends in a :class:`~.outcome.StateAdoptionOutcome` with the bytes installed by
+reference and newly allocated, measured from storage identity, also when the own method raises.
 """
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
 from megatron.core.utils import log_single_rank
 
 from .adopter import StateAdoptionContext, StateExportContext, StateExporter
-from .outcome import _EXPORT_HOOK_POINT, _LOAD_HOOK_POINT, StateAdoptionOutcome, _report_outcome
-from .registry import _DEFAULT_REGISTRY, StateAdopterRegistration, _StateAdopterRegistry
-from .settings import (
-    _DISABLE_ENV_VAR,
-    _DISABLED_ADOPTERS_ENV_VAR,
-    _adoption_switched_off,
-    _disabled_adopter_names,
-)
-from .validation import _param_groups_decline_reason, instance_method_decline_reason
+from .outcome import StateAdoptionOutcome
+from .registry import StateAdopterRegistration, StateAdopterRegistry, default_registry
+from .validation import exported_state_dict_decline_reason
 
 __all__ = ["export_inner_optimizer_state_dict", "load_inner_optimizer_state_dict"]
 
 logger = logging.getLogger(__name__)
 
-_Context = TypeVar("_Context", StateAdoptionContext, StateExportContext)
+_CONFIG_SWITCH = "optimizer_state_adoption"
+_DISABLE_ENV_VAR = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
+_DISABLED_ADOPTERS_ENV_VAR = "MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS"
+_SWITCH_ON_VALUES = frozenset(("1", "true", "yes", "on"))
+_SWITCH_OFF_VALUES = frozenset(("", "0", "false", "no", "off"))
+_LOAD, _EXPORT = "load", "export"
+_METHODS = {_LOAD: "load_state_dict", _EXPORT: "state_dict"}
+
+_warned: Set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log a configuration problem once per process (every load would repeat it)."""
+    if message not in _warned:
+        _warned.add(message)
+        log_single_rank(logger, logging.WARNING, message)
+
+
+def _check_environment_names() -> None:
+    """Warn about environment variables that look like a state-adoption setting but are none."""
+    known = (_DISABLE_ENV_VAR, _DISABLED_ADOPTERS_ENV_VAR)
+    for name in os.environ:
+        if "STATE_ADOPT" in name.upper() and name not in known:
+            _warn_once(
+                f"The environment variable {name} is not a setting of optimizer state adoption "
+                f"and is ignored; the settings are {' and '.join(known)}"
+            )
+
+
+def _switched_off_reason(config: Any) -> Optional[str]:
+    """Why adoption is switched off for an owner with ``config``, or None if it is on."""
+    _check_environment_names()
+    raw = os.environ.get(_DISABLE_ENV_VAR)
+    if raw is not None:
+        value = raw.strip().lower()
+        if value in _SWITCH_ON_VALUES:
+            return f"{_DISABLE_ENV_VAR}={raw} is set"
+        if value not in _SWITCH_OFF_VALUES:
+            _warn_once(
+                f"{_DISABLE_ENV_VAR}={raw!r} is none of 1, true, yes, on (switch off) or 0, "
+                "false, no, off; optimizer state adoption is switched off to be safe"
+            )
+            return f"{_DISABLE_ENV_VAR}={raw!r} is not recognised, so adoption is off"
+    enabled = getattr(config, _CONFIG_SWITCH, True)
+    if enabled is True:
+        return None
+    if enabled is not False:
+        _warn_once(
+            f"OptimizerConfig.{_CONFIG_SWITCH}={enabled!r} is not a bool; optimizer state "
+            "adoption is switched off to be safe"
+        )
+    return f"OptimizerConfig.{_CONFIG_SWITCH} is {enabled!r}"
+
+
+def _disabled_adopter_names(registrations: Iterable[StateAdopterRegistration]) -> FrozenSet[str]:
+    """The names in ``MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS``; unknown ones are reported."""
+    listed = os.environ.get(_DISABLED_ADOPTERS_ENV_VAR, "")
+    names = frozenset(name.strip() for name in listed.split(",") if name.strip())
+    registered = sorted(registration.name for registration in registrations)
+    unknown = sorted(names.difference(registered))
+    if unknown:
+        _warn_once(
+            f"{_DISABLED_ADOPTERS_ENV_VAR} names {', '.join(unknown)}, which no registered "
+            f"optimizer state adopter has (registered: {', '.join(registered) or 'none'})"
+        )
+    return names
+
+
+def _own_method_reason(owner: Any, optimizer: torch.optim.Optimizer, hook_point: str) -> Optional[str]:
+    """Why the optimizer's own method must run without consulting adopters, or None.
+
+    Hooks are read fail-safe: registries that cannot be inspected count as registered hooks.
+    """
+    reason = _switched_off_reason(getattr(owner, "config", None))
+    if reason is not None:
+        return reason
+    method = _METHODS[hook_point]
+    if method in getattr(optimizer, "__dict__", {}):
+        return (
+            f"the {type(optimizer).__name__} instance has its own {method} (set on the "
+            "instance, e.g. by a wrapper), which upstream calls"
+        )
+    for kind in ("pre", "post"):
+        hooks = getattr(optimizer, f"_optimizer_{method}_{kind}_hooks", None)
+        if not isinstance(hooks, Mapping):
+            return f"the optimizer's {method} {kind}-hooks cannot be inspected"
+        if len(hooks) > 0:
+            return f"a {method} {kind}-hook is registered, which the own {method} runs"
+    return None
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> str:
+    """Name the inner optimizer so that a ChainedOptimizer's optimizers differ in the logs."""
+    name = f"{type(optimizer).__name__} {id(optimizer):#x}"
+    try:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        elements = sum(p.numel() for p in params)
+    except Exception:  # a malformed optimizer is reported by its own loader
+        return name
+    return f"{name} ({len(params)} params, {elements:,} elements)"
+
+
+def _state_tensors(state: Any) -> List[torch.Tensor]:
+    """Every tensor value of a ``{key: {name: value}}`` state mapping (local shards of DTensors)."""
+    tensors = []
+    if isinstance(state, Mapping):
+        for entry in state.values():
+            if isinstance(entry, Mapping):
+                for value in entry.values():
+                    if isinstance(value, torch.Tensor):
+                        to_local = getattr(value, "to_local", None)
+                        tensors.append(to_local() if callable(to_local) else value)
+    return tensors
+
+
+def _storage(tensor: torch.Tensor) -> Optional[int]:
+    """The address of ``tensor``'s storage; None for an empty or storage-less tensor."""
+    try:
+        return int(tensor.untyped_storage().data_ptr()) if tensor.nbytes > 0 else None
+    except Exception:  # e.g. a tensor subclass without a storage
+        return None
+
+
+def _existing_storages(*states: Any) -> Set[int]:
+    """The storages held by the given state mappings before a call."""
+    return {
+        storage
+        for state in states
+        for tensor in _state_tensors(state)
+        if (storage := _storage(tensor)) is not None
+    }
+
+
+def _measure(state: Any, existing: Set[int]) -> Tuple[int, int]:
+    """(bytes in tensors whose storage existed before, bytes in new tensors) of ``state``."""
+    reused = allocated = 0
+    for tensor in _state_tensors(state):
+        storage = _storage(tensor)
+        if storage is None:
+            continue
+        if storage in existing:
+            reused += tensor.nbytes
+        else:
+            allocated += tensor.nbytes
+    return reused, allocated
 
 
 @dataclass
@@ -73,7 +221,8 @@ class _OptimizerSnapshot:
             group.clear()
             group.update(entries)
             group["params"][:] = params
-        optimizer.__setstate__({"state": self.state, "param_groups": self.param_groups})
+        optimizer.state = self.state
+        optimizer.param_groups = self.param_groups
 
 
 def _copy_containers(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
@@ -86,14 +235,21 @@ def _copy_containers(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     return copied
 
 
-def _ask(name: str, check: Callable[[_Context], object], context: _Context) -> Optional[str]:
+def _ask(
+    registration: StateAdopterRegistration,
+    check: Any,
+    context: Union[StateAdoptionContext, StateExportContext],
+    disabled: FrozenSet[str],
+) -> Optional[str]:
     """Run an adopter's check; one that raises or answers nonsense counts as a decline."""
+    if registration.name in disabled:
+        return f"disabled by {_DISABLED_ADOPTERS_ENV_VAR}"
     try:
         reason = check(context)
     except Exception as error:
         logger.warning(
             "Optimizer state adopter %r raised in its check and is skipped: %s: %s",
-            name,
+            registration.name,
             type(error).__name__,
             error,
         )
@@ -103,32 +259,127 @@ def _ask(name: str, check: Callable[[_Context], object], context: _Context) -> O
     logger.warning(
         "Optimizer state adopter %r returned %r from its check instead of None or a reason; "
         "treating it as a decline",
-        name,
+        registration.name,
         reason,
     )
     return f"check returned {type(reason).__name__} instead of None or a reason"
 
 
-def _byte_count_problem(count: object, method: str) -> Optional[str]:
-    """Why ``count`` (returned by ``method``) is not a non-negative int, or None."""
-    if isinstance(count, bool) or not isinstance(count, int):
-        return f"{method}() returned {count!r} instead of a byte count"
-    if count < 0:
-        return f"{method}() returned a negative byte count {count}"
-    return None
+def _size(count: int) -> str:
+    """Bytes for people: ``1,856 B`` or ``17,014.0 MiB``."""
+    return f"{count:,} B" if count < 2**20 else f"{count / 2**20:,.1f} MiB"
 
 
-def _install(
-    registration: StateAdopterRegistration, context: StateAdoptionContext
-) -> Optional[int]:
-    """Let the adopter install the state; on any failure roll back and return None."""
+def _finish(registry: StateAdopterRegistry, outcome: StateAdoptionOutcome) -> StateAdoptionOutcome:
+    """Log ``outcome`` for people (rank 0) and hand it to the outcome hooks (every rank)."""
+    for name, reason in outcome.declines:
+        log_single_rank(
+            logger, logging.DEBUG, "Optimizer state adopter %r declined: %s", name, reason
+        )
+    sizes = (
+        f"{_size(outcome.reused_bytes)} by reference, {_size(outcome.allocated_bytes)} newly "
+        "allocated"
+    )
+    verb = "installed" if outcome.hook_point == _LOAD else "exported"
+    if outcome.error is not None:
+        log_single_rank(
+            logger,
+            logging.WARNING,
+            "%s raised for %s: %s",
+            outcome.method,
+            outcome.optimizer,
+            outcome.error,
+        )
+    elif outcome.adopter is not None:
+        log_single_rank(
+            logger,
+            logging.INFO,
+            "Optimizer state adopter %r %s the state of %s: %s",
+            outcome.adopter,
+            verb,
+            outcome.optimizer,
+            sizes,
+        )
+        if outcome.allocated_bytes > 0:
+            log_single_rank(
+                logger,
+                logging.WARNING,
+                "Optimizer state adopter %r %s %s of newly allocated state for %s instead of "
+                "the tensors it was given (did PyTorch's loader copy them?)",
+                outcome.adopter,
+                verb,
+                _size(outcome.allocated_bytes),
+                outcome.optimizer,
+            )
+    else:
+        log_single_rank(
+            logger,
+            logging.INFO if outcome.hook_point == _LOAD else logging.DEBUG,
+            "%s %s the state of %s (%s): %s",
+            outcome.method,
+            verb,
+            outcome.optimizer,
+            outcome.fallback_reason,
+            sizes,
+        )
+    registry.report_outcome(outcome)
+    return outcome
+
+
+def _own_method_label(optimizer: torch.optim.Optimizer, hook_point: str) -> str:
+    """The method upstream's call resolves to, e.g. ``FusedAdam.load_state_dict``."""
+    method = _METHODS[hook_point]
+    if method in getattr(optimizer, "__dict__", {}):
+        return f"{method} set on the {type(optimizer).__name__} instance"
+    return f"{type(optimizer).__name__}.{method}"
+
+
+def _run_own_method(
+    registry: StateAdopterRegistry,
+    optimizer: torch.optim.Optimizer,
+    hook_point: str,
+    argument: Optional[Dict[str, Any]],
+    existing: Set[int],
+    declines: List[Tuple[str, str]],
+    reason: str,
+) -> Tuple[StateAdoptionOutcome, Any]:
+    """Run the optimizer's own method exactly as upstream; the outcome records it, or its error."""
+    outcome = StateAdoptionOutcome(
+        hook_point,
+        _describe(optimizer),
+        None,
+        method=_own_method_label(optimizer, hook_point),
+        declines=tuple(declines),
+        fallback_reason=reason,
+    )
+    state: Any
+    try:
+        if hook_point == _LOAD:
+            result = optimizer.load_state_dict(argument)  # type: ignore[arg-type]
+            state = optimizer.state
+        else:
+            result = state_dict = optimizer.state_dict()
+            state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    except BaseException as error:  # recorded, then re-raised unchanged
+        _finish(
+            registry,
+            replace(outcome, error=f"{type(error).__name__}: {error}"),
+        )
+        raise
+    reused, allocated = _measure(state, existing)
+    return _finish(registry, replace(outcome, reused_bytes=reused, allocated_bytes=allocated)), result
+
+
+def _install(registration: StateAdopterRegistration, context: StateAdoptionContext) -> Optional[str]:
+    """Let the adopter install the state; on any failure roll back and say why."""
     snapshot = _OptimizerSnapshot.capture(context.optimizer)
     try:
-        avoided_bytes: object = registration.adopter.adopt(context)
-        problem = _byte_count_problem(avoided_bytes, "adopt")
-        if problem is not None:
-            raise TypeError(problem)
+        registration.adopter.adopt(context)
     except Exception as error:
+        # Rolling back is safer than raising: the adopter was only offered a load the own
+        # loader can do, no hook has run (optimizers with load hooks never reach an
+        # adopter), and the containers are restored exactly, so the own loader then does
+        # what upstream does. Raising would fail a resume that upstream completes.
         snapshot.restore(context.optimizer)
         logger.warning(
             "Optimizer state adopter %r failed while installing the state (%s: %s); the "
@@ -138,246 +389,145 @@ def _install(
             error,
             type(context.optimizer).__name__,
         )
-        return None
-    assert isinstance(avoided_bytes, int)
-    return avoided_bytes
+        return f"adopter {registration.name!r} failed while installing the state"
+    return None
 
 
-def _exported(
+def _export(
     registration: StateAdopterRegistration, exporter: StateExporter, context: StateExportContext
-) -> Optional[Tuple[Dict[str, Any], int]]:
-    """Let the exporter supply the state dict; on any failure roll back and return None."""
+) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """Let the exporter supply the state dict and check it; on any failure say why."""
     optimizer = context.optimizer
     snapshot = _OptimizerSnapshot.capture(optimizer)
     try:
-        exported: object = exporter.export_state_dict(context)
-        if not (isinstance(exported, tuple) and len(exported) == 2):
-            raise TypeError("export_state_dict() did not return (state dict, byte count)")
-        state_dict, avoided_bytes = exported
-        problem = _byte_count_problem(avoided_bytes, "export_state_dict")
-        if problem is None and not isinstance(state_dict, dict):
-            problem = f"export_state_dict() returned a {type(state_dict).__name__}, not a dict"
-        if problem is None:
-            problem = _param_groups_decline_reason(optimizer, state_dict)
+        exported: Any = exporter.export_state_dict(context)
+        problem = exported_state_dict_decline_reason(optimizer, exported)
         if problem is not None:
-            raise TypeError(problem)
+            raise ValueError(f"the exported state dict does not match the optimizer: {problem}")
     except Exception as error:
+        # Falling back is safer than raising for the same reasons as in _install; an exporter
+        # must change nothing, and the restore undoes one that did.
         snapshot.restore(optimizer)
         logger.warning(
-            "Optimizer state adopter %r failed to export the state (%s: %s); %s.state_dict "
-            "is used instead",
+            "Optimizer state adopter %r failed to export the state (%s: %s); %s.state_dict is "
+            "used instead",
             registration.name,
             type(error).__name__,
             error,
             type(optimizer).__name__,
         )
-        return None
-    return state_dict, avoided_bytes
+        return None, f"adopter {registration.name!r} failed to export the state"
+    return exported, None
 
 
-def _fallback_reason(
-    declines: List[Tuple[str, str]], instance_reason: Optional[str], failure: Optional[str]
-) -> str:
-    """Why the optimizer's own method runs, in one phrase."""
-    if failure is not None:
-        return failure
-    if instance_reason is not None:
-        return instance_reason
-    return "every adopter declined" if declines else "no adopter is registered"
-
-
-def _finish(outcome: StateAdoptionOutcome, level: int) -> StateAdoptionOutcome:
-    """Log ``outcome`` for people (rank 0) and hand it to the outcome hooks (every rank)."""
-    for name, reason in outcome.declines:
-        log_single_rank(
-            logger, logging.DEBUG, "Optimizer state adopter %r declined: %s", name, reason
-        )
-    verb = "installed" if outcome.hook_point == _LOAD_HOOK_POINT else "exported"
-    if outcome.adopter is not None:
-        log_single_rank(
-            logger,
-            level,
-            "Optimizer state adopter %r %s the %s state, avoiding %d bytes (%.1f MiB) of "
-            "allocation",
-            outcome.adopter,
-            verb,
-            outcome.optimizer,
-            outcome.avoided_bytes,
-            outcome.avoided_bytes / 2**20,
-        )
-    else:
-        method = "load_state_dict" if outcome.hook_point == _LOAD_HOOK_POINT else "state_dict"
-        log_single_rank(
-            logger,
-            level,
-            "No optimizer state adopter %s the state (%s): %s.%s runs",
-            verb,
-            outcome.fallback_reason,
-            outcome.optimizer,
-            method,
-        )
-    _report_outcome(outcome)
-    return outcome
-
-
-def _skip_reason(
-    registration: StateAdopterRegistration,
-    check: Callable[[_Context], object],
-    context: _Context,
-    instance_reason: Optional[str],
-) -> Optional[str]:
-    """Why ``registration``'s adopter is skipped for ``context``, or None to use it."""
-    if registration.name in _disabled_adopter_names():
-        return f"disabled by {_DISABLED_ADOPTERS_ENV_VAR}"
-    reason = _ask(registration.name, check, context)
-    if reason is None and instance_reason is not None:
-        logger.warning(
-            "Optimizer state adopter %r accepted although %s; the instance's method runs",
-            registration.name,
-            instance_reason,
-        )
-        return f"accepted, but not used: {instance_reason}"
-    return reason
-
-
-def _load_inner_state(
-    owner: Any, state_dict: Dict[str, Any], registry: _StateAdopterRegistry
+def load_inner_optimizer_state_dict(
+    owner: Any, state_dict: Dict[str, Any], registry: Optional[StateAdopterRegistry] = None
 ) -> StateAdoptionOutcome:
-    """:func:`load_inner_optimizer_state_dict` with the adopters of ``registry``."""
-    optimizer = owner.optimizer
-    optimizer_name = type(optimizer).__name__
-    if _adoption_switched_off():
-        optimizer.load_state_dict(state_dict)
-        return _finish(
-            StateAdoptionOutcome(
-                _LOAD_HOOK_POINT, optimizer_name, None, fallback_reason=f"{_DISABLE_ENV_VAR} is set"
-            ),
-            logging.DEBUG,
-        )
-    instance_reason = instance_method_decline_reason(optimizer, "load_state_dict")
-    context = StateAdoptionContext.for_owner(owner, state_dict)
-    declines: List[Tuple[str, str]] = []
-    failure: Optional[str] = None
-    own_loader_input = state_dict
-    for registration in registry.registrations():
-        reason = _skip_reason(
-            registration, registration.adopter.decline_reason, context, instance_reason
-        )
-        if reason is None:
-            try:
-                pristine = _copy_containers(state_dict)
-            except Exception as error:  # malformed input: the own loader reports it
-                reason = f"the state dict cannot be copied for a rollback: {error!r}"
-        if reason is not None:
-            declines.append((registration.name, reason))
-            continue
-        avoided_bytes = _install(registration, context)
-        if avoided_bytes is not None:
-            return _finish(
-                StateAdoptionOutcome(
-                    _LOAD_HOOK_POINT,
-                    optimizer_name,
-                    registration.name,
-                    avoided_bytes,
-                    tuple(declines),
-                ),
-                logging.INFO,
-            )
-        failure = f"adopter {registration.name!r} failed while installing the state"
-        own_loader_input = pristine
-        break
-    optimizer.load_state_dict(own_loader_input)
-    reason = _fallback_reason(declines, instance_reason, failure)
-    return _finish(
-        StateAdoptionOutcome(
-            _LOAD_HOOK_POINT, optimizer_name, None, declines=tuple(declines), fallback_reason=reason
-        ),
-        logging.INFO,
-    )
-
-
-def _export_inner_state(owner: Any, registry: _StateAdopterRegistry) -> Dict[str, Any]:
-    """:func:`export_inner_optimizer_state_dict` with the adopters of ``registry``."""
-    optimizer = owner.optimizer
-    optimizer_name = type(optimizer).__name__
-    if _adoption_switched_off():
-        own: Dict[str, Any] = optimizer.state_dict()
-        _finish(
-            StateAdoptionOutcome(
-                _EXPORT_HOOK_POINT,
-                optimizer_name,
-                None,
-                fallback_reason=f"{_DISABLE_ENV_VAR} is set",
-            ),
-            logging.DEBUG,
-        )
-        return own
-    instance_reason = instance_method_decline_reason(optimizer, "state_dict")
-    context = StateExportContext.for_owner(owner)
-    declines: List[Tuple[str, str]] = []
-    failure: Optional[str] = None
-    for registration in registry.registrations():
-        exporter = registration.adopter
-        if not isinstance(exporter, StateExporter):
-            continue
-        reason = _skip_reason(
-            registration, exporter.export_decline_reason, context, instance_reason
-        )
-        if reason is not None:
-            declines.append((registration.name, reason))
-            continue
-        exported = _exported(registration, exporter, context)
-        if exported is not None:
-            state_dict, avoided_bytes = exported
-            _finish(
-                StateAdoptionOutcome(
-                    _EXPORT_HOOK_POINT,
-                    optimizer_name,
-                    registration.name,
-                    avoided_bytes,
-                    tuple(declines),
-                ),
-                logging.INFO,
-            )
-            return state_dict
-        failure = f"adopter {registration.name!r} failed to export the state"
-        break
-    own = optimizer.state_dict()
-    reason = _fallback_reason(declines, instance_reason, failure)
-    _finish(
-        StateAdoptionOutcome(
-            _EXPORT_HOOK_POINT,
-            optimizer_name,
-            None,
-            declines=tuple(declines),
-            fallback_reason=reason,
-        ),
-        logging.DEBUG,
-    )
-    return own
-
-
-def load_inner_optimizer_state_dict(owner: Any, state_dict: Dict[str, Any]) -> StateAdoptionOutcome:
     """Load ``state_dict`` into ``owner.optimizer`` through the first accepting adopter.
 
     Args:
         owner (Any): the ``DistributedOptimizer`` whose inner optimizer is loaded.
         state_dict (Dict[str, Any]): the assembled ``{"state", "param_groups"}`` dict.
+        registry (StateAdopterRegistry, optional): the adopters to consult; defaults to the
+            process-wide registry.
 
     Returns:
-        StateAdoptionOutcome: which adopter installed the state, or why the optimizer's own
-        ``load_state_dict`` did (also handed to the outcome hooks).
+        StateAdoptionOutcome: which adopter installed the state, or which own method did and
+        why (also handed to the outcome hooks).
     """
-    return _load_inner_state(owner, state_dict, _DEFAULT_REGISTRY)
+    registry = default_registry() if registry is None else registry
+    optimizer = owner.optimizer
+    incoming = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    existing = _existing_storages(incoming, optimizer.state)
+    declines: List[Tuple[str, str]] = []
+    reason = _own_method_reason(owner, optimizer, _LOAD)
+    if reason is None:
+        registrations = registry.registrations()
+        disabled = _disabled_adopter_names(registrations)
+        context = StateAdoptionContext.for_owner(owner, state_dict=state_dict)
+        for registration in registrations:
+            decline = _ask(registration, registration.adopter.decline_reason, context, disabled)
+            if decline is None:
+                try:
+                    pristine = _copy_containers(state_dict)
+                except Exception as error:  # malformed input: the own loader reports it
+                    decline = f"the state dict cannot be copied for a rollback: {error!r}"
+            if decline is not None:
+                declines.append((registration.name, decline))
+                continue
+            reason = _install(registration, context)
+            if reason is None:
+                reused, allocated = _measure(optimizer.state, existing)
+                return _finish(
+                    registry,
+                    StateAdoptionOutcome(
+                        _LOAD,
+                        _describe(optimizer),
+                        registration.name,
+                        reused_bytes=reused,
+                        allocated_bytes=allocated,
+                        declines=tuple(declines),
+                    ),
+                )
+            state_dict = pristine
+            break
+        else:
+            reason = "every adopter declined" if declines else "no adopter is registered"
+    outcome, _ = _run_own_method(registry, optimizer, _LOAD, state_dict, existing, declines, reason)
+    return outcome
 
 
-def export_inner_optimizer_state_dict(owner: Any) -> Dict[str, Any]:
+def export_inner_optimizer_state_dict(
+    owner: Any, registry: Optional[StateAdopterRegistry] = None
+) -> Dict[str, Any]:
     """Return ``owner.optimizer``'s state dict, from the first accepting exporter.
 
     Args:
         owner (Any): the ``DistributedOptimizer`` whose inner optimizer's state dict is read.
+        registry (StateAdopterRegistry, optional): the adopters to consult; defaults to the
+            process-wide registry.
 
     Returns:
-        Dict[str, Any]: the exporter's state dict, or ``owner.optimizer.state_dict()``.
+        Dict[str, Any]: the exporter's state dict (checked against the held state), or
+        ``owner.optimizer.state_dict()``.
     """
-    return _export_inner_state(owner, _DEFAULT_REGISTRY)
+    registry = default_registry() if registry is None else registry
+    optimizer = owner.optimizer
+    existing = _existing_storages(optimizer.state)
+    declines: List[Tuple[str, str]] = []
+    reason = _own_method_reason(owner, optimizer, _EXPORT)
+    if reason is None:
+        registrations = registry.registrations()
+        disabled = _disabled_adopter_names(registrations)
+        context = StateExportContext.for_owner(owner)
+        exporters = [r for r in registrations if isinstance(r.adopter, StateExporter)]
+        reason = "no registered adopter is a state exporter"
+        for registration in exporters:
+            exporter = registration.adopter
+            assert isinstance(exporter, StateExporter)
+            decline = _ask(registration, exporter.export_decline_reason, context, disabled)
+            if decline is not None:
+                declines.append((registration.name, decline))
+                reason = "every state exporter declined"
+                continue
+            exported, failure = _export(registration, exporter, context)
+            if exported is not None:
+                reused, allocated = _measure(exported["state"], existing)
+                _finish(
+                    registry,
+                    StateAdoptionOutcome(
+                        _EXPORT,
+                        _describe(optimizer),
+                        registration.name,
+                        reused_bytes=reused,
+                        allocated_bytes=allocated,
+                        declines=tuple(declines),
+                    ),
+                )
+                return exported
+            assert failure is not None
+            reason = failure
+            break
+    _, own = _run_own_method(registry, optimizer, _EXPORT, None, existing, declines, reason)
+    own_state_dict: Dict[str, Any] = own
+    return own_state_dict

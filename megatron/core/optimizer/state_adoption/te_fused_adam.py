@@ -17,21 +17,20 @@ only in 1.13, 1.14 and 2.0 does a missing attribute mean "off"; from 2.1 on TE a
 it, and a FusedAdam without it is something this adopter does not know and declines.
 """
 
-import re
 import sys
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional
 
 import torch
+from packaging.version import Version
+
+from megatron.core.utils import get_te_version
 
 from .adopter import StateAdoptionContext
 from .validation import (
     ExpectedState,
     first_decline_reason,
     incoming_state_decline_reason,
-    instance_method_decline_reason,
-    load_hooks_decline_reason,
     owner_decline_reason,
-    param_state_pairs,
 )
 
 __all__ = ["TEFusedAdamFP32StateAdopter", "te_fused_adam_decline_reason"]
@@ -51,11 +50,11 @@ _TE_STATE_METHODS = (
     "_apply_scale",
 )
 
-_TE_PACKAGE = "transformer_engine"
-
 # Releases without store_param_remainders, where TE has no param-remainder mode at all
 # (TE commit e5369541e, first released in 2.1, added the attribute and the mode together).
-_RELEASES_WITHOUT_REMAINDERS = ((1, 13), (2, 1))
+# Development builds of a release count as that release.
+_FIRST_KNOWN_RELEASE = Version("1.13.0.dev0")
+_FIRST_RELEASE_WITH_REMAINDERS = Version("2.1.0.dev0")
 
 _FP32_MOMENTS: ExpectedState = {key: torch.float32 for key in _MOMENT_KEYS}
 
@@ -94,9 +93,8 @@ def te_fused_adam_decline_reason(
         if getattr(optimizer_class, method, None) is not getattr(fused_adam, method, None):
             return f"{optimizer_class.__qualname__} overrides FusedAdam.{method}"
     for method in _TE_STATE_METHODS:  # e.g. a wrapper staging state on the instance
-        reason = instance_method_decline_reason(optimizer, method)
-        if reason is not None:
-            return reason
+        if method in getattr(optimizer, "__dict__", {}):
+            return f"the {optimizer_class.__qualname__} instance has its own {method}"
     return None
 
 
@@ -109,8 +107,8 @@ class TEFusedAdamFP32StateAdopter:
             never imported by this adopter). Tests on machines without TE pass a stand-in.
         param_device_type (str): device type every inner parameter and moment must be on.
         te_version (str, optional): the Transformer Engine release the class comes from.
-            Defaults to ``transformer_engine.__version__`` of the imported TE, read at check
-            time. Tests with a stand-in of an older release pass it.
+            Defaults to MCore's ``get_te_version()``, read at check time (TE is imported by
+            then: the optimizer is its FusedAdam). Tests with a stand-in pass it.
     """
 
     name = "te_fused_adam_fp32"
@@ -141,9 +139,9 @@ class TEFusedAdamFP32StateAdopter:
             (
                 lambda: owner_decline_reason(context, precision_aware=False),
                 lambda: te_fused_adam_decline_reason(context.optimizer, self._fused_adam_class),
-                lambda: load_hooks_decline_reason(context.optimizer),
                 lambda: _fp32_settings_decline_reason(
-                    context.optimizer, self._te_version or _imported_te_version()
+                    context.optimizer,
+                    Version(self._te_version) if self._te_version else get_te_version(),
                 ),
                 lambda: incoming_state_decline_reason(
                     context.optimizer,
@@ -154,31 +152,18 @@ class TEFusedAdamFP32StateAdopter:
             )
         )
 
-    def adopt(self, context: StateAdoptionContext) -> int:
+    def adopt(self, context: StateAdoptionContext) -> None:
         """Run PyTorch's loader (FusedAdam's first step) and skip TE's re-allocation.
+
+        PyTorch's loader validates the groups, installs their hyper-parameters (TE's
+        per-group 'step' included) and keeps tensors whose dtype and device already match the
+        parameter's, which the check made sure of. The loader measures afterwards that every
+        moment is the incoming tensor.
 
         Args:
             context (StateAdoptionContext): a context this adopter accepted.
-
-        Returns:
-            int: bytes of moments installed by reference, which TE would have re-allocated.
         """
-        optimizer = context.optimizer
-        pairs = list(param_state_pairs(optimizer, context.state_dict))
-        # PyTorch's loader validates the groups, installs their hyper-parameters (TE's
-        # per-group 'step' included), runs post-hooks (pre-hooks were declined) and keeps
-        # tensors whose dtype and device already match the parameter's, which were checked.
-        torch.optim.Optimizer.load_state_dict(optimizer, dict(context.state_dict))
-        adopted_bytes = 0
-        for index, param, incoming in pairs:
-            installed = optimizer.state[param]
-            for key in _MOMENT_KEYS:
-                if installed.get(key) is not incoming[key]:
-                    raise RuntimeError(
-                        f"PyTorch's loader did not keep {key} of parameter {index} by reference"
-                    )
-                adopted_bytes += incoming[key].nbytes
-        return adopted_bytes
+        torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
 
     def _param_decline_reason(self, param: torch.Tensor) -> Optional[str]:
         """Accept plain FP32 parameters on the expected device type."""
@@ -191,39 +176,20 @@ class TEFusedAdamFP32StateAdopter:
         return None
 
 
-def _imported_te_version() -> Optional[str]:
-    """Return ``transformer_engine.__version__`` if TE has been imported, without importing it."""
-    version = getattr(sys.modules.get(_TE_PACKAGE), "__version__", None)
-    return version if isinstance(version, str) else None
-
-
-def _release(version: Optional[str]) -> Optional[Tuple[int, int]]:
-    """Return (major, minor) of a version string such as ``2.0.0+abc123``, or None."""
-    match = re.match(r"(\d+)\.(\d+)", version or "")
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
 def _remainders_decline_reason(
-    optimizer: torch.optim.Optimizer, te_version: Optional[str]
+    optimizer: torch.optim.Optimizer, te_version: Version
 ) -> Optional[str]:
     """Accept ``store_param_remainders`` off, or absent in a release that has no such mode."""
     if hasattr(optimizer, "store_param_remainders"):
         return (
             "FusedAdam.store_param_remainders is set" if optimizer.store_param_remainders else None
         )
-    release = _release(te_version)
-    first, last_excluded = _RELEASES_WITHOUT_REMAINDERS
-    if release is None:
-        return (
-            "FusedAdam has no 'store_param_remainders' attribute and the Transformer Engine "
-            f"release is unknown ({te_version!r})"
-        )
-    if release < first:
+    if te_version < _FIRST_KNOWN_RELEASE:
         return (
             f"Transformer Engine {te_version} predates 1.13, the first release whose FusedAdam "
             "this adopter knows"
         )
-    if release >= last_excluded:
+    if te_version >= _FIRST_RELEASE_WITH_REMAINDERS:
         return (
             "FusedAdam has no 'store_param_remainders' attribute, which Transformer Engine "
             f"{te_version} always sets"
@@ -232,7 +198,7 @@ def _remainders_decline_reason(
 
 
 def _fp32_settings_decline_reason(
-    optimizer: torch.optim.Optimizer, te_version: Optional[str]
+    optimizer: torch.optim.Optimizer, te_version: Version
 ) -> Optional[str]:
     """Accept only FP32 moments without TE master weights or param remainders."""
     if not hasattr(optimizer, "master_weights"):

@@ -1,28 +1,53 @@
-"""Helpers for testing a state adopter against the optimizer's own loader.
+"""Helpers for testing a state adopter or exporter against the optimizer's own methods.
 
 An adopter is correct when, for every state dict it accepts, the optimizer ends up exactly as
-its own ``load_state_dict`` would leave it, and when its check changes nothing. These helpers
-assert both with real optimizers; use them in an adopter package's tests::
+its own ``load_state_dict`` would leave it, and when its check changes nothing; an exporter
+when its export is the held state and loads into the same bits as the own ``state_dict()``.
+These helpers assert that with real optimizers, running each call through the loader with a
+registry that holds only the adopter under test (a :class:`~.registry.StateAdopterRegistry`
+without entry-point discovery, which plugin tests can build the same way)::
 
     from megatron.core.optimizer.state_adoption.testing import (
         assert_adoption_matches_own_loader,
         assert_check_is_side_effect_free,
+        assert_export_matches_own_state_dict,
     )
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .adopter import StateAdopter, StateAdoptionContext
-from .validation import _optimizer_params
+from .adopter import StateAdopter, StateAdoptionContext, StateExportContext, StateExporter
+from .loader import export_inner_optimizer_state_dict, load_inner_optimizer_state_dict
+from .outcome import StateAdoptionOutcome
+from .registry import StateAdopterRegistry
 
-__all__ = ["assert_adoption_matches_own_loader", "assert_check_is_side_effect_free"]
+__all__ = [
+    "assert_adoption_matches_own_loader",
+    "assert_check_is_side_effect_free",
+    "assert_export_matches_own_state_dict",
+]
+
+
+@dataclass
+class _Owner:
+    """What the loader reads of a ``DistributedOptimizer``."""
+
+    optimizer: torch.optim.Optimizer
+    config: Any = None
+    ddp_config: Any = None
+    is_stub_optimizer: bool = False
+
+
+def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _state_snapshot(optimizer: torch.optim.Optimizer) -> List[Tuple[int, str, Any]]:
     """(parameter position, key, value) for every state entry, tensors by identity."""
-    positions = {id(p): index for index, p in enumerate(_optimizer_params(optimizer))}
+    positions = {id(p): index for index, p in enumerate(_params(optimizer))}
     return sorted(
         (
             (positions.get(id(param), -1), str(key), value)
@@ -38,31 +63,50 @@ def _groups_without_params(optimizer: torch.optim.Optimizer) -> List[Dict[str, A
 
 
 def _bitwise_equal(left: Any, right: Any) -> bool:
-    if isinstance(left, torch.Tensor) or isinstance(
-        right, torch.Tensor
-    ):  # a tensor equals only a tensor
+    """Equal bits for tensors (of any shape, 0-d included), ``==`` for anything else."""
+    if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
+        if not (isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor)):
+            return False  # a tensor equals only a tensor
         return (
-            isinstance(left, torch.Tensor)
-            and isinstance(right, torch.Tensor)
-            and left.dtype == right.dtype
+            left.dtype == right.dtype
             and left.shape == right.shape
             and bool(
                 torch.equal(
-                    left.contiguous().view(torch.uint8), right.contiguous().view(torch.uint8)
+                    left.detach().contiguous().reshape(-1).view(torch.uint8),
+                    right.detach().contiguous().reshape(-1).view(torch.uint8),
                 )
             )
         )
     return bool(left == right)
 
 
+def _assert_same_state(
+    name: str, mine: torch.optim.Optimizer, theirs: torch.optim.Optimizer, what: str
+) -> None:
+    """Assert two optimizers hold bitwise-equal state and equal group hyper-parameters."""
+    my_state, their_state = _state_snapshot(mine), _state_snapshot(theirs)
+    assert [e[:2] for e in my_state] == [
+        e[:2] for e in their_state
+    ], f"{name}: {what} has other state entries than the optimizer's own method gives"
+    for (position, key, my_value), (_, _, their_value) in zip(my_state, their_state):
+        assert _bitwise_equal(my_value, their_value), f"{name}: parameter {position} {key} differs"
+    assert _groups_without_params(mine) == _groups_without_params(
+        theirs
+    ), f"{name}: {what} has other param-group hyper-parameters"
+
+
 def assert_check_is_side_effect_free(
-    adopter: StateAdopter, context: StateAdoptionContext
+    adopter: Union[StateAdopter, StateExporter],
+    context: Union[StateAdoptionContext, StateExportContext],
 ) -> Optional[str]:
-    """Call ``adopter.decline_reason(context)`` and assert it changed nothing.
+    """Run the adopter's check for ``context`` and assert it changed nothing.
+
+    For a :class:`StateAdoptionContext` that is ``decline_reason``, for a plain
+    :class:`StateExportContext` ``export_decline_reason``.
 
     Args:
-        adopter (StateAdopter): the adopter under test.
-        context (StateAdoptionContext): the context to check.
+        adopter (StateAdopter or StateExporter): the adopter under test.
+        context (StateAdoptionContext or StateExportContext): the context to check.
 
     Returns:
         Optional[str]: the adopter's answer.
@@ -71,20 +115,33 @@ def assert_check_is_side_effect_free(
     state_before = _state_snapshot(optimizer)
     groups_before = _groups_without_params(optimizer)
     params_before = [list(group["params"]) for group in optimizer.param_groups]
-    incoming_before = {k: dict(v) for k, v in context.state_dict["state"].items()}
-    answer = adopter.decline_reason(context)
+    incoming = context.state_dict if isinstance(context, StateAdoptionContext) else None
+    incoming_before = {k: dict(v) for k, v in incoming["state"].items()} if incoming else None
+    if isinstance(context, StateAdoptionContext):
+        assert isinstance(adopter, StateAdopter), f"{adopter!r} is not a state adopter"
+        answer = adopter.decline_reason(context)
+    else:
+        assert isinstance(adopter, StateExporter), f"{adopter!r} is not a state exporter"
+        answer = adopter.export_decline_reason(context)
     after = _state_snapshot(optimizer)
     assert len(after) == len(state_before) and all(
         a[:2] == b[:2] and a[2] is b[2] for a, b in zip(after, state_before)
-    ), f"{adopter.name}: decline_reason changed the optimizer's state"
+    ), f"{adopter.name}: its check changed the optimizer's state"
     assert (
         _groups_without_params(optimizer) == groups_before
-    ), f"{adopter.name}: decline_reason changed the optimizer's param groups"
+    ), f"{adopter.name}: its check changed the optimizer's param groups"
     assert [list(g["params"]) for g in optimizer.param_groups] == params_before
-    assert {
-        k: dict(v) for k, v in context.state_dict["state"].items()
-    } == incoming_before, f"{adopter.name}: decline_reason changed the incoming state dict"
+    if incoming is not None:
+        assert {
+            k: dict(v) for k, v in incoming["state"].items()
+        } == incoming_before, f"{adopter.name}: its check changed the incoming state dict"
     return answer
+
+
+def _registry_of(adopter: Union[StateAdopter, StateExporter]) -> StateAdopterRegistry:
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(adopter)  # type: ignore[arg-type]  # an exporter is an adopter too
+    return registry
 
 
 def assert_adoption_matches_own_loader(
@@ -92,50 +149,89 @@ def assert_adoption_matches_own_loader(
     make_optimizer: Callable[[], torch.optim.Optimizer],
     make_state_dict: Callable[[], Dict[str, Any]],
     context_kwargs: Optional[Dict[str, Any]] = None,
-) -> int:
+) -> StateAdoptionOutcome:
     """Adopt into one fresh optimizer, load with its own loader into another, compare.
 
-    Asserts that the adopter accepts without side effects, that the adopted state holds the
-    incoming tensors themselves, and that state and param-group hyper-parameters are bitwise
-    equal to what the optimizer's own ``load_state_dict`` produces.
+    Asserts that the adopter accepts without side effects, that the loader (with only this
+    adopter registered) lets it install the state, that every incoming tensor it kept is the
+    incoming tensor itself, and that state and param-group hyper-parameters are bitwise equal
+    to what the optimizer's own ``load_state_dict`` produces.
 
     Args:
         adopter (StateAdopter): the adopter under test.
         make_optimizer (Callable[[], torch.optim.Optimizer]): builds identical fresh optimizers.
         make_state_dict (Callable[[], Dict[str, Any]]): builds identical incoming state dicts.
-        context_kwargs (Dict[str, Any], optional): extra ``StateAdoptionContext`` fields
-            (``config``, ``ddp_config``, ...).
+        context_kwargs (Dict[str, Any], optional): the owner's ``config``, ``ddp_config``
+            and ``is_stub_optimizer``.
 
     Returns:
-        int: the bytes the adopter reported as avoided.
+        StateAdoptionOutcome: the load's outcome, with the bytes measured as installed by
+        reference and as newly allocated.
     """
-    adopted_optimizer, incoming = make_optimizer(), make_state_dict()
-    context = StateAdoptionContext(adopted_optimizer, incoming, **(context_kwargs or {}))
+    owner = _Owner(make_optimizer(), **(context_kwargs or {}))
+    incoming = make_state_dict()
+    context = StateAdoptionContext.for_owner(owner, state_dict=incoming)
     reason = assert_check_is_side_effect_free(adopter, context)
     assert reason is None, f"{adopter.name} declined: {reason}"
-    incoming_tensors = {
+    offered = {
         (state_id, key): value
         for state_id, entries in incoming["state"].items()
         for key, value in entries.items()
     }
-    avoided = adopter.adopt(context)
-    assert isinstance(avoided, int) and not isinstance(avoided, bool) and avoided >= 0
+    outcome = load_inner_optimizer_state_dict(owner, incoming, registry=_registry_of(adopter))
+    assert outcome.adopter == adopter.name, f"{adopter.name} did not install: {outcome}"
 
     loaded_optimizer = make_optimizer()
     loaded_optimizer.load_state_dict(make_state_dict())
-    adopted_state, loaded_state = _state_snapshot(adopted_optimizer), _state_snapshot(
-        loaded_optimizer
-    )
-    assert [e[:2] for e in adopted_state] == [
-        e[:2] for e in loaded_state
-    ], f"{adopter.name}: the adopted state has other entries than the optimizer's own loader"
-    for (position, key, mine), (_, _, theirs) in zip(adopted_state, loaded_state):
-        assert _bitwise_equal(mine, theirs), f"{adopter.name}: parameter {position} {key} differs"
-    assert _groups_without_params(adopted_optimizer) == _groups_without_params(loaded_optimizer)
+    _assert_same_state(adopter.name, owner.optimizer, loaded_optimizer, "the adopted state")
     ids = [i for group in incoming["param_groups"] for i in group["params"]]
-    for state_id, param in zip(ids, _optimizer_params(adopted_optimizer)):
-        for key, value in adopted_optimizer.state[param].items():
-            offered = incoming_tensors.get((state_id, key))
-            if isinstance(offered, torch.Tensor) and offered.dtype == value.dtype:
-                assert value is offered, f"{adopter.name}: parameter {state_id} {key} was copied"
-    return avoided
+    for state_id, param in zip(ids, _params(owner.optimizer)):
+        for key, value in owner.optimizer.state[param].items():
+            given = offered.get((state_id, key))
+            if isinstance(given, torch.Tensor) and given.dtype == value.dtype:
+                assert value is given, f"{adopter.name}: parameter {state_id} {key} was copied"
+    return outcome
+
+
+def assert_export_matches_own_state_dict(
+    exporter: StateExporter,
+    make_optimizer: Callable[[], torch.optim.Optimizer],
+    context_kwargs: Optional[Dict[str, Any]] = None,
+) -> StateAdoptionOutcome:
+    """Export from an optimizer that holds state and compare with its own ``state_dict()``.
+
+    Asserts that the exporter accepts without side effects; that the loader (with only this
+    exporter registered) uses its export, which therefore passed the check against the held
+    state; that exporting changed nothing; and that the export and the own ``state_dict()``,
+    each loaded with the own loader into an identical fresh optimizer, give bitwise-equal state.
+
+    Args:
+        exporter (StateExporter): the exporter under test.
+        make_optimizer (Callable[[], torch.optim.Optimizer]): builds identical optimizers that
+            hold state (e.g. after a step).
+        context_kwargs (Dict[str, Any], optional): the owner's ``config``, ``ddp_config``
+            and ``is_stub_optimizer``.
+
+    Returns:
+        StateAdoptionOutcome: the export's outcome.
+    """
+    owner = _Owner(make_optimizer(), **(context_kwargs or {}))
+    context = StateExportContext.for_owner(owner)
+    reason = assert_check_is_side_effect_free(exporter, context)
+    assert reason is None, f"{exporter.name} declined to export: {reason}"
+    before = _state_snapshot(owner.optimizer)
+    outcomes: List[StateAdoptionOutcome] = []
+    registry = _registry_of(exporter)
+    registry.register_outcome_hook(outcomes.append)
+    exported = export_inner_optimizer_state_dict(owner, registry=registry)
+    assert [o.adopter for o in outcomes] == [exporter.name], f"export not used: {outcomes}"
+    after = _state_snapshot(owner.optimizer)
+    assert [a[:2] for a in after] == [b[:2] for b in before] and all(
+        a[2] is b[2] for a, b in zip(after, before)
+    ), f"{exporter.name}: exporting changed the optimizer's state"
+
+    from_export, from_own = make_optimizer(), make_optimizer()
+    from_export.load_state_dict(exported)
+    from_own.load_state_dict(make_optimizer().state_dict())
+    _assert_same_state(exporter.name, from_export, from_own, "the export, loaded,")
+    return outcomes[0]

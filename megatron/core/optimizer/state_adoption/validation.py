@@ -7,18 +7,20 @@ would, and that is easy to get subtly wrong:
 
 * :func:`owner_decline_reason` -- the ``DistributedOptimizer`` modes whose state layout the
   adopter cannot know (stub, Megatron-FSDP, CPU offload, the other precision mode);
-* :func:`instance_method_decline_reason` -- a ``load_state_dict``/``state_dict`` set on the
-  optimizer instance, which upstream would call;
-* :func:`load_hooks_decline_reason` -- ``load_state_dict`` hooks PyTorch's loader would run;
 * :func:`param_state_pairs` -- which incoming entry belongs to which parameter, as PyTorch's
   loader pairs them;
 * :func:`one_entry_per_param_decline_reason`, :func:`state_entry_decline_reason` and
   :func:`incoming_state_decline_reason` -- matching param groups, exact keys, dtypes, devices,
-  shapes and layouts, and no shared storage, which installing tensors by reference requires.
+  shapes and layouts, and no shared storage, which installing tensors by reference requires;
+* :func:`exported_state_dict_decline_reason` -- an export is the optimizer's state as it holds
+  it (the loader applies it to every export).
+
+The rules every adopter gets without asking (no hooks, no method set on the instance) are
+enforced by the loader, not here.
 """
 
 from itertools import chain
-from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
@@ -26,10 +28,9 @@ from .adopter import StateAdoptionContext, StateExportContext
 
 __all__ = [
     "ExpectedState",
+    "exported_state_dict_decline_reason",
     "first_decline_reason",
     "incoming_state_decline_reason",
-    "instance_method_decline_reason",
-    "load_hooks_decline_reason",
     "one_entry_per_param_decline_reason",
     "owner_decline_reason",
     "param_state_pairs",
@@ -38,6 +39,9 @@ __all__ = [
 
 ExpectedState = Mapping[str, torch.dtype]
 """The state keys an adopter accepts for one parameter, each with the dtype it requires."""
+
+_ParamRule = Callable[[torch.Tensor], Optional[str]]
+_EntryRule = Callable[[torch.Tensor, Any], Optional[str]]
 
 
 def first_decline_reason(checks: Iterable[Callable[[], Optional[str]]]) -> Optional[str]:
@@ -93,70 +97,12 @@ def owner_decline_reason(
     return None
 
 
-def instance_method_decline_reason(optimizer: torch.optim.Optimizer, method: str) -> Optional[str]:
-    """Decline an optimizer whose *instance* carries its own ``method``.
-
-    Upstream calls ``optimizer.load_state_dict(...)``/``optimizer.state_dict()``, which
-    resolves an attribute set on the instance (by a wrapper, a debugging or conversion shim,
-    or Megatron-Bridge's memory-efficient loading) before the class's method. Whatever that
-    attribute does must happen, so no adopter may stand in for it.
-
-    Args:
-        optimizer (torch.optim.Optimizer): the inner optimizer.
-        method (str): ``"load_state_dict"`` or ``"state_dict"``.
-
-    Returns:
-        Optional[str]: None if ``method`` resolves to the class's, otherwise why not.
-    """
-    if method in getattr(optimizer, "__dict__", {}):
-        return (
-            f"the {type(optimizer).__name__} instance has its own {method} (set on the "
-            "instance, e.g. by a wrapper), which upstream calls"
-        )
-    return None
-
-
-def load_hooks_decline_reason(
-    optimizer: torch.optim.Optimizer, allow_post_hooks: bool = True
-) -> Optional[str]:
-    """Decline optimizers with ``load_state_dict`` hooks an adopter could not honour.
-
-    A pre-hook may rewrite the incoming state after it was validated, so it always declines.
-
-    Args:
-        optimizer (torch.optim.Optimizer): the inner optimizer.
-        allow_post_hooks (bool): False if the adopter does not run PyTorch's loader with
-            the full state (post-hooks would then observe something else).
-
-    Returns:
-        Optional[str]: None if no hook stands in the way, otherwise why.
-    """
-    hook_kinds = [("_optimizer_load_state_dict_pre_hooks", "pre-hook")]
-    if not allow_post_hooks:
-        hook_kinds.append(("_optimizer_load_state_dict_post_hooks", "post-hook"))
-    for attribute, kind in hook_kinds:
-        hooks = getattr(optimizer, attribute, None)
-        if hooks is None:
-            return f"the optimizer's load_state_dict {kind}s cannot be inspected"
-        if len(hooks) > 0:
-            return f"a load_state_dict {kind} is registered and may rewrite the state"
-    return None
-
-
 def _param_groups_decline_reason(
     optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
 ) -> Optional[str]:
-    """Perform PyTorch's param-group validation without raising.
-
-    Args:
-        optimizer (torch.optim.Optimizer): the inner optimizer.
-        state_dict (Mapping[str, Any]): the incoming state dict.
-
-    Returns:
-        Optional[str]: None if group count and sizes match, otherwise the mismatch.
-    """
-    incoming_state = state_dict.get("state")
-    incoming_groups = state_dict.get("param_groups")
+    """Perform PyTorch's param-group validation (count and sizes) without raising."""
+    incoming_state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    incoming_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     if not isinstance(incoming_state, Mapping) or not isinstance(incoming_groups, list):
         return "the state dict lacks a 'state' mapping or a 'param_groups' list"
     if len(incoming_groups) != len(optimizer.param_groups):
@@ -193,9 +139,8 @@ def param_state_pairs(
         Iterator[Tuple[int, torch.Tensor, Any]]: one item per parameter that has state.
     """
     incoming_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-    params = _optimizer_params(optimizer)
     incoming_state = state_dict["state"]
-    for index, (state_id, param) in enumerate(zip(incoming_ids, params)):
+    for index, (state_id, param) in enumerate(zip(incoming_ids, _optimizer_params(optimizer))):
         if state_id in incoming_state:
             yield index, param, incoming_state[state_id]
 
@@ -208,16 +153,7 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
 def _plain_tensor_decline_reason(
     tensor: Any, dtype: torch.dtype, like: torch.Tensor
 ) -> Optional[str]:
-    """Accept a dense, contiguous ``dtype`` tensor placed and shaped like ``like``.
-
-    Args:
-        tensor (Any): the incoming value.
-        dtype (torch.dtype): the dtype it must have.
-        like (torch.Tensor): the parameter whose device and shape it must have.
-
-    Returns:
-        Optional[str]: None if acceptable, otherwise what is wrong with it.
-    """
+    """Accept a dense, contiguous ``dtype`` tensor placed and shaped like ``like``."""
     if type(tensor) is not torch.Tensor:
         return f"is a {type(tensor).__name__}, not a plain torch.Tensor"
     if tensor.is_quantized:
@@ -237,10 +173,37 @@ def _plain_tensor_decline_reason(
     return None
 
 
+def _paired_entries_decline_reason(
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    param_decline_reason: _ParamRule,
+    entry_decline_reason: Optional[_EntryRule] = None,
+) -> Optional[str]:
+    """One pass over the parameters: groups, each parameter, its one entry, the entry's rule."""
+    reason = _param_groups_decline_reason(optimizer, state_dict)
+    if reason is not None:
+        return reason
+    incoming_state = state_dict["state"]
+    incoming_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    entries = 0
+    for index, (state_id, param) in enumerate(zip(incoming_ids, _optimizer_params(optimizer))):
+        reason = param_decline_reason(param)
+        if reason is None and state_id not in incoming_state:
+            reason = "has no incoming state"
+        if reason is None and entry_decline_reason is not None:
+            reason = entry_decline_reason(param, incoming_state[state_id])
+        if reason is not None:
+            return f"parameter {index}: {reason}"
+        entries += 1
+    if len(incoming_state) != entries:
+        return "the incoming state does not hold exactly one entry per parameter"
+    return None
+
+
 def one_entry_per_param_decline_reason(
     optimizer: torch.optim.Optimizer,
     state_dict: Mapping[str, Any],
-    param_decline_reason: Callable[[torch.Tensor], Optional[str]],
+    param_decline_reason: _ParamRule,
 ) -> Optional[str]:
     """Require matching param groups, accepted parameters and one state entry per parameter.
 
@@ -253,32 +216,20 @@ def one_entry_per_param_decline_reason(
         Optional[str]: None if every parameter is accepted and has exactly one incoming state
         entry, otherwise the first problem.
     """
-    reason = _param_groups_decline_reason(optimizer, state_dict)
-    if reason is not None:
-        return reason
-    params = _optimizer_params(optimizer)
-    for index, param in enumerate(params):
-        reason = param_decline_reason(param)
-        if reason is not None:
-            return f"parameter {index}: {reason}"
-    pairs = sum(1 for _ in param_state_pairs(optimizer, state_dict))
-    if len(state_dict["state"]) != pairs or pairs != len(params):
-        return "the incoming state does not hold exactly one entry per parameter"
-    return None
+    return _paired_entries_decline_reason(optimizer, state_dict, param_decline_reason)
 
 
 def incoming_state_decline_reason(
     optimizer: torch.optim.Optimizer,
     state_dict: Mapping[str, Any],
-    param_decline_reason: Callable[[torch.Tensor], Optional[str]],
+    param_decline_reason: _ParamRule,
     expected_state: Callable[[torch.Tensor], ExpectedState],
 ) -> Optional[str]:
     """Check groups, parameters and every incoming state tensor for by-reference adoption.
 
-    Requires :func:`one_entry_per_param_decline_reason`, each entry with exactly the keys of
-    ``expected_state(param)``,
-    each a tensor accepted by a dense, contiguous tensor with the expected dtype,
-    and no two state tensors or a state tensor and a parameter sharing a storage.
+    In one pass: :func:`one_entry_per_param_decline_reason`, and for each entry
+    :func:`state_entry_decline_reason` with the keys and dtypes of ``expected_state(param)``,
+    no two state tensors nor a state tensor and a parameter sharing a storage.
 
     Args:
         optimizer (torch.optim.Optimizer): the inner optimizer.
@@ -289,17 +240,17 @@ def incoming_state_decline_reason(
     Returns:
         Optional[str]: None if everything can be adopted, otherwise the first problem.
     """
-    reason = one_entry_per_param_decline_reason(optimizer, state_dict, param_decline_reason)
-    if reason is not None:
-        return reason
-    params = _optimizer_params(optimizer)
-    pairs = list(param_state_pairs(optimizer, state_dict))
-    seen_storages: Set[int] = {_storage_ptr(p) for p in params if p.nbytes > 0}
-    for index, param, incoming in pairs:
-        reason = state_entry_decline_reason(param, incoming, expected_state(param), seen_storages)
-        if reason is not None:
-            return f"parameter {index}: {reason}"
-    return None
+    seen_storages: Set[int] = {
+        _storage_ptr(p) for p in _optimizer_params(optimizer) if p.nbytes > 0
+    }
+    return _paired_entries_decline_reason(
+        optimizer,
+        state_dict,
+        param_decline_reason,
+        lambda param, entry: state_entry_decline_reason(
+            param, entry, expected_state(param), seen_storages
+        ),
+    )
 
 
 def state_entry_decline_reason(
@@ -335,4 +286,109 @@ def state_entry_decline_reason(
             if storage in seen_storages:
                 return f"{key} shares storage with a parameter or another state tensor"
             seen_storages.add(storage)
+    return None
+
+
+def _same_value(exported: Any, held: Any) -> bool:
+    """Whether an exported non-state value equals the held one (tensors: same bits)."""
+    if exported is held:
+        return True
+    if isinstance(exported, torch.Tensor) or isinstance(held, torch.Tensor):
+        return (
+            isinstance(exported, torch.Tensor)
+            and isinstance(held, torch.Tensor)
+            and exported.dtype == held.dtype
+            and exported.shape == held.shape
+            and bool(torch.equal(exported.cpu(), held.cpu()))
+        )
+    try:
+        return bool(exported == held) and type(exported) is type(held)
+    except Exception:  # a value without a usable == is not the held one
+        return False
+
+
+def _is_held_tensor(exported: Any, held: torch.Tensor) -> Optional[str]:
+    """None if ``exported`` is ``held`` or an exact alias of it, else what differs."""
+    if exported is held:
+        return None
+    if type(exported) is not type(held) or type(held) is not torch.Tensor:
+        return f"is a {type(exported).__name__}, not the held {type(held).__name__}"
+    for attribute in ("dtype", "shape", "device"):
+        if getattr(exported, attribute) != getattr(held, attribute):
+            return (
+                f"has {attribute} {getattr(exported, attribute)}, the held state "
+                f"{getattr(held, attribute)}"
+            )
+    if (
+        exported.nbytes > 0
+        and (_storage_ptr(exported), exported.storage_offset(), exported.stride())
+        != (_storage_ptr(held), held.storage_offset(), held.stride())
+    ):
+        return "is not the held tensor (a copy, or another parameter's state)"
+    return None
+
+
+def exported_state_dict_decline_reason(
+    optimizer: torch.optim.Optimizer, exported: Any
+) -> Optional[str]:
+    """Check that an export is the optimizer's state as it holds it.
+
+    It must be what ``torch.optim.Optimizer.state_dict`` packs, without running it: exactly
+    the keys ``state`` and ``param_groups``; the optimizer's groups, in order, each with the
+    same hyper-parameters and the parameter ids PyTorch assigns; state for exactly the
+    parameters that hold state, each with exactly the held keys, every tensor the held tensor
+    itself (same dtype, shape, device and storage; so neither a copy nor another parameter's
+    state), every other value equal to the held one. So an empty, partial or permuted export
+    is refused.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer.
+        exported (Any): what an exporter returned.
+
+    Returns:
+        Optional[str]: None if the export matches, otherwise the first difference.
+    """
+    if not isinstance(exported, dict) or set(exported) != {"state", "param_groups"}:
+        keys = sorted(map(str, exported)) if isinstance(exported, Mapping) else None
+        return f"it is not a dict with exactly 'state' and 'param_groups' (got {keys})"
+    groups, state = exported["param_groups"], exported["state"]
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return "'param_groups' is not a list or 'state' is not a mapping"
+    if len(groups) != len(optimizer.param_groups):
+        return f"it has {len(groups)} param groups, the optimizer {len(optimizer.param_groups)}"
+    ids: Dict[int, int] = {}  # numbered as torch.optim.Optimizer.state_dict numbers them
+    for index, (group, held_group) in enumerate(zip(groups, optimizer.param_groups)):
+        start = sum(len(g["params"]) for g in optimizer.param_groups[:index])
+        for position, param in enumerate(held_group["params"], start):
+            ids.setdefault(id(param), position)
+        expected_ids = [ids[id(p)] for p in held_group["params"]]
+        if not isinstance(group, Mapping) or group.get("params") != expected_ids:
+            return f"param group {index} does not list the parameter ids {expected_ids}"
+        if set(group) != set(held_group):
+            return f"param group {index} has keys {sorted(group)}, the optimizer's {sorted(held_group)}"
+        for key, value in held_group.items():
+            if key != "params" and not _same_value(group[key], value):
+                return f"param group {index} has {key}={group[key]!r}, the optimizer {value!r}"
+    held_state = {
+        ids[id(param)]: entry
+        for param, entry in optimizer.state.items()
+        if isinstance(param, torch.Tensor) and id(param) in ids
+    }
+    if set(state) != set(held_state):
+        return (
+            f"it has state for {len(state)} ids ({sorted(map(str, state))[:8]}), the optimizer "
+            f"holds state for ids {sorted(held_state)[:8]} ({len(held_state)})"
+        )
+    for state_id, held in held_state.items():
+        entry = state[state_id]
+        if not isinstance(entry, Mapping) or set(entry) != set(held):
+            keys = sorted(map(str, entry)) if isinstance(entry, Mapping) else entry
+            return f"the state of parameter {state_id} has keys {keys}, the held {sorted(held)}"
+        for key, value in held.items():
+            if isinstance(value, torch.Tensor):
+                problem = _is_held_tensor(entry[key], value)
+            else:
+                problem = None if _same_value(entry[key], value) else f"is {entry[key]!r}"
+            if problem is not None:
+                return f"{key} of parameter {state_id} {problem}"
     return None
