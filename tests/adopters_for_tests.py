@@ -1,10 +1,10 @@
-"""Small real adopters used by the registry and fail-safety tests."""
+"""Small real adopters and exporters used by the loader, registry and fail-safety tests."""
 
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron.core.optimizer.state_adoption import StateAdoptionContext
+from megatron.core.optimizer.state_adoption import StateAdoptionContext, StateExportContext
 
 
 class PyTorchLoaderAdopter:
@@ -101,3 +101,55 @@ class CopyingAdopter:
         }
         state_dict = {"state": copied, "param_groups": context.state_dict["param_groups"]}
         torch.optim.Optimizer.load_state_dict(context.optimizer, state_dict)
+
+
+class RaisingAfterLoaderAdopter(PyTorchLoaderAdopter):
+    """Accepts, runs PyTorch's loader (its hooks included), then raises: the rollback and the
+    fallback must not make the optimizer's hooks run a second time."""
+
+    def adopt(self, context: StateAdoptionContext) -> None:
+        super().adopt(context)
+        raise RuntimeError("failed after PyTorch's loader")
+
+
+class Exporter:
+    """Declines every load; exports what ``export(optimizer)`` returns.
+
+    Args:
+        name (str): the adopter's name.
+        export (Callable): builds the exported state dict from the optimizer.
+        decline (str, optional): the reason ``export_decline_reason`` gives; None accepts.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        export: Callable[[torch.optim.Optimizer], Any],
+        decline: Optional[str] = None,
+    ) -> None:
+        self.name = name
+        self.export = export
+        self.decline = decline
+        self.checks = 0
+        self.exports: List[Any] = []
+
+    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        return "exports only"
+
+    def adopt(self, context: StateAdoptionContext) -> None:
+        raise AssertionError("adopt() called although decline_reason() declined")
+
+    def export_decline_reason(self, context: StateExportContext) -> Optional[str]:
+        self.checks += 1
+        return self.decline
+
+    def export_state_dict(self, context: StateExportContext) -> Dict[str, Any]:
+        exported = self.export(context.optimizer)
+        self.exports.append(exported)
+        return exported  # type: ignore[no-any-return]
+
+
+def pytorch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """PyTorch's state dict of ``optimizer``: its param groups and the held tensors themselves
+    (what a correct exporter returns)."""
+    return torch.optim.Optimizer.state_dict(optimizer)

@@ -24,3 +24,11 @@ def registry() -> StateAdopterRegistry:
 def empty_registry() -> StateAdopterRegistry:
     """A registry without adopters and without entry-point discovery."""
     return StateAdopterRegistry(entry_point_group=None)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_configuration_warnings() -> None:
+    """Configuration problems are warned once per process; every test starts unwarned."""
+    from megatron.core.optimizer.state_adoption import loader
+
+    loader._warned.clear()

@@ -1,16 +1,28 @@
 """Record the state-adoption outcomes of a block of code (tests read them instead of logs)."""
 
 from contextlib import contextmanager
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
-from megatron.core.optimizer.state_adoption import StateAdoptionOutcome, register_outcome_hook
+from megatron.core.optimizer.state_adoption import (
+    StateAdopterRegistry,
+    StateAdoptionOutcome,
+    register_outcome_hook,
+)
 
 
 @contextmanager
-def recorded_outcomes() -> Iterator[List[StateAdoptionOutcome]]:
-    """Yield a list that receives every outcome produced inside the ``with`` block."""
+def recorded_outcomes(
+    registry: Optional[StateAdopterRegistry] = None,
+) -> Iterator[List[StateAdoptionOutcome]]:
+    """Yield a list that receives every outcome produced inside the ``with`` block.
+
+    Args:
+        registry (StateAdopterRegistry, optional): the registry whose outcomes to record;
+            defaults to the process-wide one.
+    """
     outcomes: List[StateAdoptionOutcome] = []
-    handle = register_outcome_hook(outcomes.append)
+    register = register_outcome_hook if registry is None else registry.register_outcome_hook
+    handle = register(outcomes.append)
     try:
         yield outcomes
     finally:

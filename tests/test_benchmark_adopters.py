@@ -71,10 +71,13 @@ def test_outcomes_of_the_real_loader_are_recorded(monkeypatch: pytest.MonkeyPatc
     assert outcomes is not None and [(o["hook_point"], o["adopter"]) for o in outcomes] == [
         ("load", None), ("load", FP32), ("export", None)]  # fmt: skip
     fallback, adopted, _ = outcomes
-    assert fallback["optimizer"] == "FusedAdamStandIn" and fallback["avoided_bytes"] == 0
+    assert fallback["optimizer"].startswith("FusedAdamStandIn 0x")  # which inner optimizer
+    assert fallback["method"] == "FusedAdamStandIn.load_state_dict" and fallback["reused_bytes"] == 0
+    assert fallback["allocated_bytes"] == numel_bytes(fresh_standin())  # TE's second copy
     assert [name for name, _ in fallback["declines"]][0] == FP32
-    assert fallback["fallback_reason"]
-    assert adopted["avoided_bytes"] == numel_bytes(fresh_standin()) and adopted["declines"] == []
+    assert fallback["fallback_reason"] and fallback["error"] is None
+    assert adopted["reused_bytes"] == numel_bytes(fresh_standin()) and adopted["allocated_bytes"] == 0
+    assert adopted["method"] is None and adopted["declines"] == []
     json.dumps(outcomes)
     record = {"adopters": registered_adopter_names(), "outcomes": outcomes}
     assert installed_by_text(record) == f"own loader ×1, {FP32} ×1"
@@ -104,7 +107,8 @@ def test_upstream_records_null(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_resume_rank_records_its_outcomes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Both load passes of both DistributedOptimizers on each of two ranks, each outcome
-    avoiding 8 B x that optimizer's parameters on that rank; upstream records null."""
+    measuring 8 B x that optimizer's parameters on that rank installed by reference and nothing
+    allocated; upstream records null."""
     install_fake_gpu(monkeypatch)
     standin_is_te_fused_adam(monkeypatch)
     run_phases_in_process(monkeypatch)
@@ -119,7 +123,9 @@ def test_every_resume_rank_records_its_outcomes(monkeypatch: pytest.MonkeyPatch,
         outcomes = side["state_adoption"]["outcomes"]
         loads = [o for o in outcomes if o["hook_point"] == "load"]
         assert [o["adopter"] for o in loads] == [FP32] * 4
-        assert sum(o["avoided_bytes"] for o in loads) == 2 * 8 * side["params_on_rank"]
+        assert sum(o["reused_bytes"] for o in loads) == 2 * 8 * side["params_on_rank"]
+        assert [o["allocated_bytes"] for o in loads] == [0] * 4
+        assert len({o["optimizer"] for o in loads}) == 2  # the dense and the expert optimizer
         assert sum(o["hook_point"] == "export" for o in outcomes) == 4
     assert summary["extra_adopters"] == []  # registered plugins declined: still predicted
     assert summary["expected_saving_bytes_per_param"] == 8 and case_meets_expectations(summary)
@@ -132,10 +138,11 @@ def test_every_resume_rank_records_its_outcomes(monkeypatch: pytest.MonkeyPatch,
 
 
 def _outcome(adopter: str | None, hook_point: str = "load") -> dict[str, Any]:
-    return {"hook_point": hook_point, "optimizer": "FusedAdam", "adopter": adopter,
-            "avoided_bytes": 8 * PARAMS if adopter else 0,
+    return {"hook_point": hook_point, "optimizer": f"FusedAdam 0x7f00 (40 params, {PARAMS:,} elements)",
+            "adopter": adopter, "method": None if adopter else "FusedAdam.load_state_dict",
+            "reused_bytes": 8 * PARAMS if adopter else 0, "allocated_bytes": 0 if adopter else 8 * PARAMS,
             "declines": [] if adopter else [[FP32, "the optimizer is precision-aware"]],
-            "fallback_reason": None if adopter else "every adopter declined"}  # fmt: skip
+            "fallback_reason": None if adopter else "every adopter declined", "error": None}  # fmt: skip
 
 
 def _adoption(adopters: list[str], *handled: str | None) -> dict[str, Any]:

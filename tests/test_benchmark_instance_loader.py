@@ -2,8 +2,8 @@
 
 Covers the benchmark's own loader (installed on each inner optimizer, counted, by reference,
 removed after the load even when it fails, refused where PyTorch's loader alone would be
-wrong), the installed build's real loader declining adoption for such an instance and calling
-it once, the whole story on the fake GPU (both sides by reference: the same load peak, saving
+wrong), the installed build's real loader leaving such an instance to its own method without
+asking any adopter and calling it once, the whole story on the fake GPU (both sides by reference: the same load peak, saving
 0; which path ran, per rank, in the report), and the ``--check`` rules for it.
 """
 
@@ -79,17 +79,25 @@ def test_the_loader_refuses_what_pytorchs_loader_would_get_wrong(kwargs: dict[st
         assert nothing is None and "load_state_dict" not in vars(good)
 
 
-def test_the_builds_loader_declines_adoption_and_calls_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_builds_loader_leaves_the_instance_to_its_loader_and_calls_it_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No adopter is asked; the outcome records the instance's method as what ran, and what it
+    installed by reference as reused.
+
+    Hole 6: under an instance-level loader the outcome read as "0 bytes avoided".
+    """
     standin_is_te_fused_adam(monkeypatch)
     optimizer = fresh_standin()
     with installed_instance_loaders(BRIDGE_LIKE, [optimizer]) as loaders, recording_outcomes() as outcomes:
         load_inner_optimizer_state_dict(Owner(optimizer), cloned_state_dict(trained_standin()))
     assert loaders is not None and loaders.calls == [1]
     (outcome,) = outcomes or []
-    assert outcome["adopter"] is None and outcome["avoided_bytes"] == 0
-    declined = dict(map(tuple, outcome["declines"]))
-    assert "instance" in declined[FP32] and "load_state_dict" in declined[FP32]
-    assert "instance" in outcome["fallback_reason"]
+    assert outcome["adopter"] is None and outcome["declines"] == []
+    assert outcome["method"] == "load_state_dict set on the FusedAdamStandIn instance"
+    assert "instance has its own load_state_dict" in outcome["fallback_reason"]
+    assert outcome["reused_bytes"] == 8 * sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    assert outcome["allocated_bytes"] == 0
     record = {"adopters": [FP32], "outcomes": outcomes}
     assert installed_by_text(record, 1) == "instance loader ×1"
     assert installed_by_text(record, 0) == "instance loader ×1 (instance loader ran ×0)"
@@ -137,7 +145,11 @@ def test_the_story_with_a_bridge_like_loader_on_every_rank(tmp_path: Path, monke
     assert set(column(markdown, "avoided ÷ (8 B × params)")["build"]) == {"expected 0"}
     assert "| moe (2 DistributedOptimizers, bridge-like instance loader) [TP 1, EP 1, DP 2] |" in markdown
     assert "instance-level load_state_dict (PyTorch's loader only) was set on every inner FusedAdam" in markdown
-    assert f"build declines: {FP32}: the FusedAdamStandIn instance has its own load_state_dict" in markdown
+    assert (
+        "both sides; build ran load_state_dict set on the FusedAdamStandIn instance (the "
+        "FusedAdamStandIn instance has its own load_state_dict"
+    ) in markdown
+    assert "build declines" not in markdown  # no adopter was asked
     json.dumps(doc)
 
 

@@ -22,14 +22,45 @@ from benchmarks.resume_benchmark.report import markdown_report, merge_documents
 from benchmarks.resume_benchmark.summary import summarize_case
 
 COMMITTED = ("a", "b", "all", "pa-plugin", "pa-uninstalled")
+#: Session 9's documents: the current entry shape, with outcomes of the build of that time
+#: (``avoided_bytes``, the class name as ``optimizer``, no ``method``/``reused_bytes``).
+SESSION9 = tuple(sorted(p.stem for p in (RESULTS / "session9").glob("*.json")))
 DASH = "—"
 
 
-@pytest.mark.parametrize("name", COMMITTED)
+@pytest.mark.parametrize("name", COMMITTED + tuple(f"session9/{n}" for n in SESSION9))
 def test_committed_results_render_unchanged(name: str) -> None:
     stored = json.loads((RESULTS / f"{name}.json").read_text())
     assert markdown_report(stored) == (RESULTS / f"{name}.md").read_text()
     assert merge_documents([stored])["cases"] == stored["cases"]
+
+
+def test_session9_documents_hold_outcomes_of_the_earlier_build() -> None:
+    """What the test above renders: old outcome records, which must keep rendering."""
+    assert len(SESSION9) >= 10
+    stored = json.loads((RESULTS / "session9" / "dp2.json").read_text())
+    outcome = stored["cases"][0]["rank_sides"]["build"][0]["state_adoption"]["outcomes"][0]
+    assert "avoided_bytes" in outcome and "reused_bytes" not in outcome and "method" not in outcome
+
+
+def test_logged_events_of_old_documents_read_as_current_outcomes() -> None:
+    """An entry whose resume records carry logged ``events`` gets outcomes with the current
+    outcome's fields; the adopter's claimed bytes stand as reused, the rest is unrecorded."""
+    from megatron.core.optimizer.state_adoption import StateAdoptionOutcome
+
+    from benchmarks.resume_benchmark.legacy import current_entry
+
+    stored = json.loads((RESULTS / "pa-plugin.json").read_text())
+    old = next(e for e in stored["cases"] if "events" in (e["sides"]["build"].get("state_adoption") or {}))
+    (build,) = current_entry(old)["rank_sides"]["build"]
+    outcomes = build["state_adoption"]["outcomes"]
+    fields = set(StateAdoptionOutcome("load", "FusedAdam", None).to_json())
+    assert outcomes and all(set(o) == fields for o in outcomes)
+    events = old["sides"]["build"]["state_adoption"]["events"]
+    assert [o["reused_bytes"] for o in outcomes if o["adopter"]] == [
+        e["avoided_bytes"] for e in events if e.get("adopter")
+    ]
+    assert all(o["allocated_bytes"] is None and o["method"] is None for o in outcomes)
 
 
 def test_committed_results_still_merge_to_the_committed_report(

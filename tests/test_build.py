@@ -32,6 +32,7 @@ PATCH_FILE = (
     REPO_ROOT / "patches" / "0001-distrib-optimizer-route-inner-load-through-state-adoption.patch"
 )
 DISTRIB_OPTIMIZER = "megatron/core/optimizer/distrib_optimizer.py"
+OPTIMIZER_CONFIG = "megatron/core/optimizer/optimizer_config.py"
 UPSTREAM_CACHE_DIR = REPO_ROOT / "build" / "upstream"
 SUPPORTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.0", "0.19.2")
 
@@ -360,16 +361,20 @@ def test_patches_apply_with_fuzz_0_and_compose_each_release(version: str, tmp_pa
     tree = tmp_path / "tree"
     with zipfile.ZipFile(upstream_wheel) as archive:
         archive.extract(DISTRIB_OPTIMIZER, tree)
+        archive.extract(OPTIMIZER_CONFIG, tree)
     original = (tree / DISTRIB_OPTIMIZER).read_text(encoding="utf-8")
     patching.apply_patches(tree, patches)  # dry run, then apply; raises PatchError naming hunks
     patched = (tree / DISTRIB_OPTIMIZER).read_text(encoding="utf-8")
+    config = (tree / OPTIMIZER_CONFIG).read_text(encoding="utf-8")
     assert patched != original
     assert "load_inner_optimizer_state_dict" in _state_adoption_imports(patched)
     assert "        self.optimizer.load_state_dict(\n            {\"state\"" not in patched
+    assert "\n    optimizer_state_adoption: bool = True\n" in config
     wheel = compose.compose_wheel(upstream_wheel, REPO_ROOT, patches, tmp_path / "out")
     assert wheel.name == upstream_wheel.name.replace(f"-{version}-", f"-{version}+stateadoption-")
     with zipfile.ZipFile(wheel) as composed:
         assert composed.read(DISTRIB_OPTIMIZER).decode("utf-8") == patched
+        assert composed.read(OPTIMIZER_CONFIG).decode("utf-8") == config
 
 
 # metadata conversion used by setup.py (no upstream wheel needed)

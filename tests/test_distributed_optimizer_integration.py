@@ -1,15 +1,20 @@
 """The installed megatron-core's ``DistributedOptimizer.load_state_dict`` goes through the registry.
 
+These are the routing tests CI runs against every supported megatron-core release: they pass
+against the composed X+stateadoption and fail (never error) against unpatched upstream X with
+this subsystem copied in, where nothing consults the registry and no outcome is recorded.
+
 A full DistributedOptimizer needs CUDA buffers, so ``CpuDistributedOptimizer`` subclasses the
 installed class and only sets what ``load_state_dict`` reads on the path where the inner
 optimizer's state is already initialised (MCore's second load pass). ``load_state_dict``
-itself is the installed, unmodified method. With plain upstream megatron-core (any supported
-release, even with this subsystem importable) these tests fail: nothing consults the registry.
+itself is the installed, unmodified method. What each hook point did is read from the
+outcomes (``register_outcome_hook``), not from log text.
 """
 
+import dataclasses
 import logging
 import types
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import pytest
 import torch
@@ -27,6 +32,7 @@ from megatron.core.optimizer.state_adoption import (
 )
 
 DISABLE_ENV_VAR = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
+ADOPTION_LOGGER = "megatron.core.optimizer.state_adoption"
 
 
 class CpuDistributedOptimizer(DistributedOptimizer):
@@ -46,7 +52,7 @@ class CpuDistributedOptimizer(DistributedOptimizer):
 MCORE_PARAM_GROUP_KEYS: Dict[str, Any] = {
     "is_expert_parallel": False, "default_config": True, "wd_mult": 1.0, "lr_mult": 1.0,
     "is_decoupled_lr": False, "max_lr": 1e-3, "min_lr": 0.0,
-}
+}  # fmt: skip
 
 
 def _trained_adam(seed: int) -> torch.optim.Adam:
@@ -72,74 +78,154 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     return [optimizer.state[p][k] for g in optimizer.param_groups for p in g["params"] for k in ("exp_avg", "exp_avg_sq")]
 
 
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Every byte of the held state (Adam's moments and its 0-d ``step`` tensors)."""
+    return sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+
+
 def _distributed(seed: int = 0, **config_changes: Any) -> CpuDistributedOptimizer:
     return CpuDistributedOptimizer(
         _trained_adam(seed), config_with(**config_changes), DistributedDataParallelConfig()
     )
 
 
+def _load(distributed: CpuDistributedOptimizer) -> None:
+    distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+
+
 @pytest.fixture
-def adam_adopter():
+def adam_adopter() -> Iterator[PyTorchLoaderAdopter]:
     adopter = PyTorchLoaderAdopter("test_torch_adam", torch.optim.Adam)
     handle = register_state_adopter(adopter, prepend=True)
     yield adopter
     handle.remove()
 
 
-def test_load_state_dict_consults_registered_adopters(adam_adopter: PyTorchLoaderAdopter, caplog) -> None:
+@pytest.fixture
+def outcomes() -> Iterator[List[StateAdoptionOutcome]]:
+    recorded: List[StateAdoptionOutcome] = []
+    handle = register_outcome_hook(recorded.append)
+    yield recorded
+    handle.remove()
+
+
+def _by_hook_point(outcomes: List[StateAdoptionOutcome]) -> List[Any]:
+    return [(o.hook_point, o.adopter) for o in outcomes]
+
+
+def test_load_state_dict_consults_registered_adopters(
+    adam_adopter: PyTorchLoaderAdopter, outcomes: List[StateAdoptionOutcome], caplog: pytest.LogCaptureFixture
+) -> None:
     distributed = _distributed()
     before = _state_tensors(distributed.optimizer)
-    with caplog.at_level(logging.INFO, logger="megatron.core.optimizer.state_adoption"):
-        distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+    with caplog.at_level(logging.INFO, logger=ADOPTION_LOGGER):
+        _load(distributed)
     assert len(adam_adopter.adopted) == 1
     context = adam_adopter.adopted[0]
     assert context.optimizer is distributed.optimizer and context.config is distributed.config
     assert context.ddp_config is distributed.ddp_config and context.is_stub_optimizer is False
     assert sorted(context.state_dict) == ["param_groups", "state"]
     assert all(a is b for a, b in zip(_state_tensors(distributed.optimizer), before))
-    assert "'test_torch_adam' installed the Adam state" in caplog.text
+    assert _by_hook_point(outcomes) == [("export", None), ("load", "test_torch_adam")]
+    load = outcomes[1]
+    assert load.reused_bytes == _state_bytes(distributed.optimizer) and load.allocated_bytes == 0
+    assert load.optimizer.startswith(f"Adam {id(distributed.optimizer):#x} (2 params, 22 elements)")
+    assert f"'test_torch_adam' installed the state of {load.optimizer}" in caplog.text
 
 
-def test_default_adopter_declines_torch_adam_with_a_logged_reason(caplog) -> None:
+def test_default_adopter_declines_torch_adam_and_the_own_loader_runs(outcomes: List[StateAdoptionOutcome]) -> None:
     distributed = _distributed()
-    with caplog.at_level(logging.DEBUG, logger="megatron.core.optimizer.state_adoption"):
-        distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
-    assert "'te_fused_adam_fp32' declined: Transformer Engine's FusedAdam is not loaded" in caplog.text
-    assert "(every adopter declined): Adam.load_state_dict runs" in caplog.text
+    _load(distributed)
+    assert _by_hook_point(outcomes) == [("export", None), ("load", None)]
+    load = outcomes[1]
+    assert ("te_fused_adam_fp32", "Transformer Engine's FusedAdam is not loaded") in load.declines
+    assert load.fallback_reason == "every adopter declined" and load.method == "Adam.load_state_dict"
+    assert load.error is None
 
 
-def test_kill_switch_reaches_distributed_optimizer(adam_adopter, monkeypatch, caplog) -> None:
+def test_the_config_switch_on_a_distributed_optimizer_selects_the_own_methods(
+    adam_adopter: PyTorchLoaderAdopter, outcomes: List[StateAdoptionOutcome], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``OptimizerConfig(optimizer_state_adoption=False)`` (a field of the composed build's
+    config, True by default) makes both hook points run the inner optimizer's own methods
+    without asking any adopter; the result is upstream's."""
+    assert OptimizerConfig().optimizer_state_adoption is True
+    distributed, reference = _distributed(optimizer_state_adoption=False), _distributed()
+    with caplog.at_level(logging.INFO, logger=ADOPTION_LOGGER):
+        _load(distributed)
+    assert adam_adopter.checked == [] and adam_adopter.adopted == []
+    assert [(o.hook_point, o.adopter, o.method, o.fallback_reason, o.declines) for o in outcomes] == [
+        ("export", None, "Adam.state_dict", "OptimizerConfig.optimizer_state_adoption is False", ()),
+        ("load", None, "Adam.load_state_dict", "OptimizerConfig.optimizer_state_adoption is False", ()),
+    ]
+    assert "(OptimizerConfig.optimizer_state_adoption is False)" in caplog.text  # the load, at INFO
+    reference.optimizer.load_state_dict(reference.optimizer.state_dict())
+    for a, b in zip(_state_tensors(distributed.optimizer), _state_tensors(reference.optimizer)):
+        assert torch.equal(a, b)
+    switched_on = CpuDistributedOptimizer(
+        _trained_adam(0), dataclasses.replace(distributed.config, optimizer_state_adoption=True),
+        DistributedDataParallelConfig(),
+    )  # fmt: skip
+    _load(switched_on)
+    assert [c.optimizer for c in adam_adopter.adopted] == [switched_on.optimizer]
+
+
+def test_kill_switch_reaches_distributed_optimizer(
+    adam_adopter: PyTorchLoaderAdopter, outcomes: List[StateAdoptionOutcome], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Hole 4: an active kill switch is logged at INFO (with the load's outcome), not only at DEBUG."""
     monkeypatch.setenv(DISABLE_ENV_VAR, "1")
     distributed = _distributed()
-    with caplog.at_level(logging.DEBUG, logger="megatron.core.optimizer.state_adoption"):
-        distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+    with caplog.at_level(logging.INFO, logger=ADOPTION_LOGGER):
+        _load(distributed)
     assert adam_adopter.checked == []
-    assert f"{DISABLE_ENV_VAR} is set" in caplog.text
+    assert [(o.hook_point, o.adopter, o.fallback_reason) for o in outcomes] == [
+        ("export", None, f"{DISABLE_ENV_VAR}=1 is set"),
+        ("load", None, f"{DISABLE_ENV_VAR}=1 is set"),
+    ]
+    assert f"({DISABLE_ENV_VAR}=1 is set)" in caplog.text  # the active switch is logged at INFO
 
 
-def test_failing_adopter_leaves_distributed_optimizer_correctly_loaded(caplog) -> None:
+def test_failing_adopter_leaves_distributed_optimizer_correctly_loaded(
+    outcomes: List[StateAdoptionOutcome], caplog: pytest.LogCaptureFixture
+) -> None:
     distributed = _distributed()
     reference = _distributed()
     handle = register_state_adopter(HalfInstallingAdopter(), prepend=True)
     try:
-        with caplog.at_level(logging.WARNING, logger="megatron.core.optimizer.state_adoption"):
-            distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+        with caplog.at_level(logging.WARNING, logger=ADOPTION_LOGGER):
+            _load(distributed)
     finally:
         handle.remove()
     assert "failed while installing" in caplog.text
+    load = [o for o in outcomes if o.hook_point == "load"]
+    assert [(o.adopter, o.fallback_reason) for o in load] == [
+        (None, "adopter 'half_installing' failed while installing the state")
+    ]
     assert len(distributed.optimizer.param_groups) == 1
+    assert distributed.optimizer.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"]
     for a, b in zip(_state_tensors(distributed.optimizer), _state_tensors(reference.optimizer)):
         assert torch.equal(a, b)
 
 
-def test_chained_optimizer_goes_through_each_distributed_optimizer(adam_adopter) -> None:
+def test_chained_optimizer_goes_through_each_distributed_optimizer(
+    adam_adopter: PyTorchLoaderAdopter, outcomes: List[StateAdoptionOutcome]
+) -> None:
+    """Each inner optimizer is loaded once, and its outcome tells it from the other one.
+
+    Hole 6: outcomes named only the class, so a ChainedOptimizer's dense and expert optimizers
+    looked identical.
+    """
     dense, expert = _distributed(seed=0), _distributed(seed=1)
     chained = ChainedOptimizer([dense, expert])
     chained.load_state_dict([_outer_state_dict(dense.optimizer), _outer_state_dict(expert.optimizer)])
     assert [c.optimizer for c in adam_adopter.adopted] == [dense.optimizer, expert.optimizer]
+    loads = [o.optimizer for o in outcomes if o.hook_point == "load"]
+    assert [label.split()[1] for label in loads] == [f"{id(dense.optimizer):#x}", f"{id(expert.optimizer):#x}"]
 
 
-def test_megatron_fsdp_path_is_unchanged(adam_adopter) -> None:
+def test_megatron_fsdp_path_is_unchanged(adam_adopter: PyTorchLoaderAdopter) -> None:
     distributed = CpuDistributedOptimizer(
         _trained_adam(0), OptimizerConfig(), ddp_config_with(use_megatron_fsdp=True)
     )
@@ -148,7 +234,7 @@ def test_megatron_fsdp_path_is_unchanged(adam_adopter) -> None:
 
 
 class _AdamExporter(PyTorchLoaderAdopter):
-    """Adopts torch Adam and exports PyTorch's state dict of it, counting both."""
+    """Adopts torch Adam and exports PyTorch's state dict of it (the held tensors), counting both."""
 
     def __init__(self) -> None:
         super().__init__("test_torch_adam_exporter", torch.optim.Adam)
@@ -157,30 +243,35 @@ class _AdamExporter(PyTorchLoaderAdopter):
     def export_decline_reason(self, context: Any) -> Any:
         return None if isinstance(context.optimizer, torch.optim.Adam) else "not Adam"
 
-    def export_state_dict(self, context: Any) -> Any:
+    def export_state_dict(self, context: Any) -> Dict[str, Any]:
         self.exported.append(context)
-        return torch.optim.Optimizer.state_dict(context.optimizer), 123
+        return torch.optim.Optimizer.state_dict(context.optimizer)
 
 
-def test_both_hook_points_are_consulted_and_every_call_has_an_outcome() -> None:
+def test_both_hook_points_are_consulted_and_every_call_has_an_outcome(
+    outcomes: List[StateAdoptionOutcome],
+) -> None:
     exporter = _AdamExporter()
-    outcomes: List[StateAdoptionOutcome] = []
-    handles = [register_state_adopter(exporter, prepend=True), register_outcome_hook(outcomes.append)]
+    handle = register_state_adopter(exporter, prepend=True)
     try:
         distributed = _distributed()
-        distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+        held = _state_bytes(distributed.optimizer)
+        _load(distributed)
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
     assert [c.optimizer for c in exporter.exported] == [distributed.optimizer]
     assert [c.optimizer for c in exporter.adopted] == [distributed.optimizer]
-    assert [(o.hook_point, o.adopter, o.avoided_bytes) for o in outcomes] == [
-        ("export", "test_torch_adam_exporter", 123),
-        ("load", "test_torch_adam_exporter", sum(t.nbytes for s in distributed.optimizer.state.values() for t in s.values())),
+    assert [(o.hook_point, o.adopter, o.reused_bytes, o.allocated_bytes) for o in outcomes] == [
+        ("export", "test_torch_adam_exporter", held, 0),
+        ("load", "test_torch_adam_exporter", _state_bytes(distributed.optimizer), 0),
     ]
 
 
-def test_an_instance_level_loader_on_the_inner_optimizer_runs_instead_of_any_adopter(adam_adopter) -> None:
+def test_an_instance_level_loader_on_the_inner_optimizer_runs_instead_of_any_adopter(
+    adam_adopter: PyTorchLoaderAdopter, outcomes: List[StateAdoptionOutcome]
+) -> None:
+    """Hole 6: under an instance-level loader (Megatron-Bridge's) the outcome read as "0 bytes
+    avoided"; it now names the instance's method and measures what it installed by reference."""
     distributed = _distributed()
     calls: List[Dict[str, Any]] = []
 
@@ -189,6 +280,11 @@ def test_an_instance_level_loader_on_the_inner_optimizer_runs_instead_of_any_ado
         torch.optim.Optimizer.load_state_dict(self, state_dict)
 
     distributed.optimizer.load_state_dict = types.MethodType(load_state_dict, distributed.optimizer)  # type: ignore[method-assign]
-    distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+    _load(distributed)
     assert len(calls) == 1 and sorted(calls[0]) == ["param_groups", "state"]
-    assert adam_adopter.adopted == [] and len(adam_adopter.checked) == 1
+    assert adam_adopter.checked == [] and adam_adopter.adopted == []
+    (load,) = [o for o in outcomes if o.hook_point == "load"]
+    assert load.adopter is None and load.method == "load_state_dict set on the Adam instance"
+    assert load.fallback_reason is not None and "instance has its own load_state_dict" in load.fallback_reason
+    # the instance loader installed the tensors it was given: recorded as such, not as 0 bytes
+    assert load.reused_bytes == _state_bytes(distributed.optimizer) and load.allocated_bytes == 0

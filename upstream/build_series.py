@@ -4,10 +4,18 @@ One source: everything in the series is produced from this repository's files.
 
 * ``megatron/core/optimizer/state_adoption/*.py``  -> the subsystem, at the same path upstream
   (Megatron-LM's copyright line is prepended, as its copyright check requires);
-* ``patches/*.patch``                              -> the call site in ``distrib_optimizer.py``;
+* ``patches/*.patch``                              -> the call site in ``distrib_optimizer.py``
+  and the ``OptimizerConfig.optimizer_state_adoption`` field in ``optimizer_config.py``;
+* the config field                                 -> its Megatron-LM argument
+  (``--no-optimizer-state-adoption`` in ``megatron/training/arguments.py``), generated from the
+  field our patch adds; ``training.py``'s ``get_megatron_optimizer_config`` is checked to copy
+  every ``OptimizerConfig`` field from the arguments by name, so it needs no change;
 * ``upstream/tests/unit_tests/...``                -> the unit tests, at the same path upstream;
 * ``upstream/docs/...``                            -> the docs entry, at the same path upstream,
-  plus one toctree line in ``docs/api-guide/core/index.md``.
+  plus one toctree line in ``docs/api-guide/core/index.md``;
+* the cover letter (``0000-cover-letter.patch``, by ``git format-patch --cover-letter``): its text
+  here plus the docs page's sections on why this is not in Transformer Engine and on the review
+  of Megatron-LM PR 7288, re-wrapped for e-mail.
 
 The call site differs between Megatron-LM branches. Where the snapshot's
 ``DistributedOptimizer.load_state_dict`` is the plain one (``main``), our patch's hunks are applied
@@ -16,6 +24,12 @@ offloader's special case (``dev``: ``self._optimizer_state_offloader`` with
 ``load_state_dict_without_device_cast``), the same hunks are applied only to the path without an
 offloader: the offloaded path keeps upstream's calls unchanged (see upstream/README.md). Tests that
 only make sense with the offloader (``*_offloader.py``) are added only there.
+
+The config field is carried by content: it is inserted before the section that follows it in our
+patch (the ``Miscellaneous`` header), which must occur exactly once in ``class OptimizerConfig``.
+The argument goes right after the ``--optimizer`` argument in ``_add_training_args``, written in
+that file's style (``main``: the old hand-wrapped style, ``dev``: black). Every anchor is matched
+by content and the generator refuses (``SeriesError``) if one is missing or ambiguous.
 
 The series is reproducible byte for byte: fixed dates, ``--zero-commit``, no signature. The base
 commit holds only the snapshot files the series touches, which is all ``git format-patch`` reads.
@@ -39,6 +53,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -49,11 +64,24 @@ MANIFEST = UPSTREAM_DIR / "series.json"
 
 SUBSYSTEM = "megatron/core/optimizer/state_adoption"
 CALL_SITE = "megatron/core/optimizer/distrib_optimizer.py"
+CONFIG_FILE = "megatron/core/optimizer/optimizer_config.py"
+CONFIG_CLASS = "OptimizerConfig"
+ARGUMENTS_FILE = "megatron/training/arguments.py"
+ARGUMENTS_FUNCTION = "_add_training_args"
+ARGUMENT_ANCHOR = "--optimizer"
+TRAINING_FILE = "megatron/training/training.py"
+CONFIG_FROM_ARGS = "get_megatron_optimizer_config"
 DOCS_INDEX = "docs/api-guide/core/index.md"
 DOCS_PAGE = "docs/api-guide/core/optimizer_state_adoption.md"
 TESTS_ROOT = "tests/unit_tests"
 BRANCHES = ("main", "dev")
-TOUCHED_UPSTREAM_FILES = (CALL_SITE, DOCS_INDEX)
+PATCHED_FILES = (CALL_SITE, CONFIG_FILE)
+"""The files ``patches/*.patch`` may change; a patch changing any other is refused."""
+TOUCHED_UPSTREAM_FILES = (CALL_SITE, CONFIG_FILE, ARGUMENTS_FILE, DOCS_INDEX)
+"""The snapshot files the series changes (the base commit of the series holds exactly these)."""
+CHECKED_UPSTREAM_FILES = (TRAINING_FILE,)
+"""Snapshot files the generator reads to check an assumption, but does not change."""
+COVER_LETTER = "0000-cover-letter.patch"
 
 PYTHON_HEADER = "# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.\n\n"
 SERIES_DATE = "2026-11-29T12:00:00+00:00"
@@ -140,14 +168,44 @@ def parse_hunks(patch_text: str, path: str, split_blocks: bool = False) -> List[
     return hunks
 
 
-def our_call_site_hunks() -> List[Hunk]:
-    """The hunks of ``patches/*.patch`` for the call site, in patch order."""
+def patched_paths(patch_text: str) -> List[str]:
+    """The files a unified diff changes (its ``+++`` headers), in order."""
+    return [
+        line[4:].strip().removeprefix("b/")
+        for line in patch_text.splitlines()
+        if line.startswith("+++ ")
+    ]
+
+
+def _our_hunks(path: str) -> List[Hunk]:
+    """The hunks of ``patches/*.patch`` for ``path``, in patch order.
+
+    Refuses a patch that changes a file the series does not know how to carry, so that a new
+    hunk cannot be dropped silently.
+    """
     hunks: List[Hunk] = []
     for patch in sorted((REPO_ROOT / "patches").glob("*.patch")):
-        hunks.extend(parse_hunks(patch.read_text(), CALL_SITE))
+        text = patch.read_text()
+        for changed in patched_paths(text):
+            if changed not in PATCHED_FILES:
+                raise SeriesError(
+                    f"patches/{patch.name} changes {changed}, which the series does not carry; "
+                    "teach upstream/build_series.py where it goes"
+                )
+        hunks.extend(parse_hunks(text, path))
     if not hunks:
-        raise SeriesError(f"patches/*.patch has no hunk for {CALL_SITE}")
+        raise SeriesError(f"patches/*.patch has no hunk for {path}")
     return hunks
+
+
+def our_call_site_hunks() -> List[Hunk]:
+    """The hunks of ``patches/*.patch`` for the call site, in patch order."""
+    return _our_hunks(CALL_SITE)
+
+
+def our_config_hunks() -> List[Hunk]:
+    """The hunks of ``patches/*.patch`` for ``optimizer_config.py``, in patch order."""
+    return _our_hunks(CONFIG_FILE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +257,10 @@ def _apply_import(text: str, hunk: Hunk) -> str:
 def _apply_plain(text: str, hunk: Hunk) -> str:
     """Apply a replacement hunk as it is, inside ``load_state_dict``."""
     return _replace_once(
-        text, _block(hunk.removed), _block(hunk.added), _method_span(text, "load_state_dict"),
+        text,
+        _block(hunk.removed),
+        _block(hunk.added),
+        _method_span(text, "load_state_dict"),
         f"{hunk.kind} hunk",
     )
 
@@ -217,7 +278,10 @@ def _apply_export_keeping_offloader(text: str, hunk: Hunk) -> str:
         *_indent(old_code),
     ]
     return _replace_once(
-        text, _block(hunk.removed), _block(guarded), _method_span(text, "load_state_dict"),
+        text,
+        _block(hunk.removed),
+        _block(guarded),
+        _method_span(text, "load_state_dict"),
         "export hunk (offloader variant)",
     )
 
@@ -303,6 +367,316 @@ def check_offloader_path_kept(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The config switch: the OptimizerConfig field and its Megatron-LM argument
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """A field our patch adds to ``OptimizerConfig``."""
+
+    name: str
+    annotation: str
+    default: object
+
+
+def _module_node(tree: ast.Module, kind: type, name: str, what: str) -> ast.AST:
+    """The single module-level class or function ``name`` of ``tree``."""
+    nodes = [n for n in tree.body if isinstance(n, kind) and getattr(n, "name", None) == name]
+    if len(nodes) != 1:
+        raise SeriesError(f"{what}: expected exactly one {name}, found {len(nodes)}")
+    return nodes[0]
+
+
+def _line_start(text: str, lineno: int) -> int:
+    """Character offset of the start of 1-based line ``lineno`` (``len(text)`` past the end)."""
+    offset = 0
+    for _ in range(lineno - 1):
+        offset = text.index("\n", offset) + 1
+    return offset
+
+
+def _node_span(text: str, node: ast.AST) -> Tuple[int, int]:
+    """Character span of the whole lines of a statement ``node`` (decorators included)."""
+    assert isinstance(node, ast.stmt) and node.end_lineno is not None
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    return _line_start(text, first), _line_start(text, node.end_lineno + 1)
+
+
+def config_fields(hunks: Sequence[Hunk]) -> List[ConfigField]:
+    """The fields our config hunks add, in order (read from their added lines)."""
+    fields = []
+    for hunk in hunks:
+        try:
+            tree = ast.parse(textwrap.dedent(_block(hunk.added)))
+        except SyntaxError as error:
+            raise SeriesError(f"the added lines of a {CONFIG_FILE} hunk do not parse: {error}")
+        for node in tree.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if node.value is None:
+                    raise SeriesError(f"{CONFIG_FILE}: field {node.target.id} has no default")
+                fields.append(
+                    ConfigField(
+                        node.target.id, ast.unparse(node.annotation), ast.literal_eval(node.value)
+                    )
+                )
+    if not fields:
+        raise SeriesError(f"patches/*.patch adds no field to {CONFIG_CLASS}")
+    return fields
+
+
+def adoption_switch(hunks: Sequence[Hunk]) -> ConfigField:
+    """The one field our patch adds: a ``bool`` that is True by default (the argument turns it off)."""
+    fields = config_fields(hunks)
+    if len(fields) != 1 or fields[0].annotation != "bool" or fields[0].default is not True:
+        raise SeriesError(
+            f"expected one 'bool = True' field in our {CONFIG_FILE} hunks, found {fields}; "
+            "teach upstream/build_series.py which arguments they need"
+        )
+    return fields[0]
+
+
+def change_optimizer_config(text: str, hunks: Sequence[Hunk]) -> str:
+    """Insert our fields into a snapshot's ``OptimizerConfig``, matched by content.
+
+    Each hunk must be a pure insertion. Its anchor is the last line of its leading context
+    followed by its trailing context (on ``main`` and ``dev``: the blank line before the
+    ``Miscellaneous`` section header); it must occur exactly once inside ``class
+    OptimizerConfig``. The earlier leading context may differ (``dev`` has more offload
+    fields before that header), so the new section lands before the same section everywhere.
+
+    Args:
+        text: the snapshot's ``optimizer_config.py``.
+        hunks: our patch's hunks for it.
+
+    Returns:
+        The changed file. Raises :class:`SeriesError` if an anchor is missing or ambiguous, or
+        if the class already has a field of that name.
+    """
+    fields = config_fields(hunks)
+    for hunk in hunks:
+        if hunk.removed or not hunk.added or not hunk.after or not hunk.before:
+            raise SeriesError(
+                f"a hunk of our patch for {CONFIG_FILE} is not an insertion between context lines"
+            )
+        config_class = _module_node(ast.parse(text), ast.ClassDef, CONFIG_CLASS, CONFIG_FILE)
+        start, end = _node_span(text, config_class)
+        anchor = _block([hunk.before[-1], *hunk.after])
+        body = text[start:end]
+        matches = [m.start() for m in re.finditer("^" + re.escape(anchor), body, re.MULTILINE)]
+        if len(matches) != 1:
+            raise SeriesError(
+                f"{CONFIG_FILE}: the anchor {anchor!r} occurs {len(matches)} times in class "
+                f"{CONFIG_CLASS}; expected exactly once"
+            )
+        insert_at = start + matches[0] + len(hunk.before[-1]) + 1
+        text = text[:insert_at] + _block(hunk.added) + text[insert_at:]
+    changed_class = _module_node(ast.parse(text), ast.ClassDef, CONFIG_CLASS, CONFIG_FILE)
+    assert isinstance(changed_class, ast.ClassDef)
+    names = [
+        n.target.id
+        for n in changed_class.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    ]
+    for field_ in fields:
+        if names.count(field_.name) != 1:
+            raise SeriesError(
+                f"{CONFIG_CLASS} would have {names.count(field_.name)} fields {field_.name}"
+            )
+    return text
+
+
+ARGUMENT_HELP = (
+    "Always run the inner optimizer's own load_state_dict and state_dict while loading a "
+    "distributed-optimizer checkpoint. By default, registered state adopters "
+    "(megatron.core.optimizer.state_adoption) may install the loaded state, e.g. Transformer "
+    "Engine FusedAdam's FP32 moments by reference instead of as a second copy."
+)
+"""Help text of the Megatron-LM argument that switches state adoption off."""
+
+
+def argument_flag(switch: ConfigField) -> str:
+    """``--no-optimizer-state-adoption`` for the field ``optimizer_state_adoption``."""
+    return "--no-" + switch.name.replace("_", "-")
+
+
+def _help_segments(width: int) -> List[str]:
+    """The help text as implicitly concatenated string literals of at most ``width`` characters."""
+    lines = textwrap.wrap(ARGUMENT_HELP, width=width - 3, break_on_hyphens=False)
+    quote = '"' if "'" in ARGUMENT_HELP else "'"
+    return [
+        quote + line + (" " if i < len(lines) - 1 else "") + quote for i, line in enumerate(lines)
+    ]
+
+
+def render_argument(switch: ConfigField, group: str, black_style: bool) -> List[str]:
+    """The ``add_argument`` statement for ``switch``, in the style of the file it goes into.
+
+    Args:
+        switch: the config field the argument sets (``action='store_false'``).
+        group: the argument group's variable name.
+        black_style: black's layout (``dev``) instead of the hand-wrapped one (``main``).
+    """
+    flag, dest = argument_flag(switch), switch.name
+    if black_style:
+        indent = " " * 8
+        opening = [f"    {group}.add_argument("]
+        options = [
+            f"{indent}'{flag}',",
+            f"{indent}action='store_false',",
+            f"{indent}dest='{dest}',",
+        ]
+        closing = ",\n    )"
+    else:
+        head = f"    {group}.add_argument("
+        indent = " " * len(head)
+        opening = []
+        options = [f"{head}'{flag}', action='store_false',", f"{indent}dest='{dest}',"]
+        closing = ")"
+    segments = _help_segments(100 - len(indent) - len("help="))
+    help_lines = [f"{indent}help={segments[0]}", *(indent + s for s in segments[1:])]
+    return [*opening, *options, *help_lines[:-1], *(help_lines[-1] + closing).split("\n")]
+
+
+def _is_add_argument(node: ast.AST, flag: Optional[str] = None) -> bool:
+    """True for a statement ``<group>.add_argument(...)`` (whose first argument is ``flag``)."""
+    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+        return False
+    call = node.value
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument"):
+        return False
+    if flag is None:
+        return True
+    first = call.args[0] if call.args else None
+    return isinstance(first, ast.Constant) and first.value == flag
+
+
+def _argument_mentions(tree: ast.AST, switch: ConfigField) -> List[str]:
+    """Every option string or ``dest`` in ``tree`` that already names ``switch``."""
+    taken = {argument_flag(switch), "--" + switch.name.replace("_", "-"), switch.name}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr != "add_argument":
+                continue
+            values = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            values += [
+                k.value.value
+                for k in node.keywords
+                if k.arg == "dest" and isinstance(k.value, ast.Constant)
+            ]
+            found += [v for v in values if v in taken]
+    return found
+
+
+def add_switch_argument(text: str, switch: ConfigField) -> str:
+    """Add the argument for ``switch`` right after ``--optimizer`` in ``_add_training_args``.
+
+    Args:
+        text: the snapshot's ``megatron/training/arguments.py``.
+        switch: the config field the argument sets.
+
+    Returns:
+        The changed file. Raises :class:`SeriesError` if the anchor is missing or ambiguous,
+        or if an argument of that name or ``dest`` exists already.
+    """
+    tree = ast.parse(text)
+    taken = _argument_mentions(tree, switch)
+    if taken:
+        raise SeriesError(f"{ARGUMENTS_FILE} already has an argument for {switch.name}: {taken}")
+    function = _module_node(tree, ast.FunctionDef, ARGUMENTS_FUNCTION, ARGUMENTS_FILE)
+    anchors = [n for n in ast.walk(function) if _is_add_argument(n, ARGUMENT_ANCHOR)]
+    if len(anchors) != 1:
+        raise SeriesError(
+            f"{ARGUMENTS_FILE}: expected exactly one add_argument('{ARGUMENT_ANCHOR}', ...) in "
+            f"{ARGUMENTS_FUNCTION}, found {len(anchors)}"
+        )
+    (anchor,) = anchors
+    assert isinstance(anchor, ast.Expr) and isinstance(anchor.value, ast.Call)
+    func = anchor.value.func
+    assert isinstance(func, ast.Attribute)
+    if not isinstance(func.value, ast.Name):
+        raise SeriesError(
+            f"{ARGUMENTS_FILE}: the {ARGUMENT_ANCHOR} argument is not group.add_argument"
+        )
+    start, end = _node_span(text, anchor)
+    black_style = text[start:end].split("\n", 1)[0].rstrip().endswith("(")
+    rendered = render_argument(switch, func.value.id, black_style)
+    text = text[:end] + _block(rendered) + text[end:]
+    check_switch_argument(_block(rendered), switch)
+    return text
+
+
+def check_switch_argument(statement: str, switch: ConfigField) -> None:
+    """Run the added statement against a parser: the field is True by default, False with the flag."""
+    import argparse as _argparse
+
+    parser = _argparse.ArgumentParser(allow_abbrev=False)
+    namespace: Dict[str, object] = {}
+    tree = ast.parse(textwrap.dedent(statement))
+    if len(tree.body) != 1 or not _is_add_argument(tree.body[0]):
+        raise SeriesError(f"the argument for {switch.name} is not one add_argument statement")
+    call = tree.body[0]
+    assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
+    assert isinstance(call.value.func, ast.Attribute) and isinstance(
+        call.value.func.value, ast.Name
+    )
+    namespace[call.value.func.value.id] = parser
+    exec(compile(tree, "<argument>", "exec"), namespace)
+    default = getattr(parser.parse_args([]), switch.name)
+    flagged = getattr(parser.parse_args([argument_flag(switch)]), switch.name)
+    if default is not switch.default or flagged is not (not switch.default):
+        raise SeriesError(
+            f"{argument_flag(switch)} gives {default} by default and {flagged} when set"
+        )
+
+
+def check_config_copied_from_args(text: str, switch: ConfigField) -> None:
+    """Assert that ``get_megatron_optimizer_config`` copies every config field from the arguments.
+
+    Megatron-LM builds ``OptimizerConfig`` from ``args`` by field name::
+
+        for f in dataclasses.fields(OptimizerConfig):
+            if hasattr(args, f.name):
+                kwargs[f.name] = getattr(args, f.name)
+        config = OptimizerConfig(**kwargs)
+
+    so the argument's ``dest`` reaches the field with no change to ``training.py``. Refuses a
+    snapshot where that loop is gone or where the function sets the field itself.
+    """
+    function = _module_node(ast.parse(text), ast.FunctionDef, CONFIG_FROM_ARGS, TRAINING_FILE)
+    loops = [
+        node
+        for node in ast.walk(function)
+        if isinstance(node, ast.For)
+        and isinstance(node.target, ast.Name)
+        and ast.unparse(node.iter) == f"dataclasses.fields({CONFIG_CLASS})"
+    ]
+    copied = False
+    for loop in loops:
+        assert isinstance(loop.target, ast.Name)
+        f = loop.target.id
+        expected = (
+            f"for {f} in dataclasses.fields({CONFIG_CLASS}):\n"
+            f"    if hasattr(args, {f}.name):\n"
+            f"        kwargs[{f}.name] = getattr(args, {f}.name)"
+        )
+        copied = copied or ast.unparse(loop) == expected
+    if not copied:
+        raise SeriesError(
+            f"{TRAINING_FILE}: {CONFIG_FROM_ARGS} no longer copies every {CONFIG_CLASS} field "
+            "from args by name; the argument needs a change there too"
+        )
+    source = ast.unparse(function)
+    if "OptimizerConfig(**kwargs)" not in source:
+        raise SeriesError(
+            f"{TRAINING_FILE}: {CONFIG_FROM_ARGS} does not build OptimizerConfig(**kwargs)"
+        )
+    if switch.name in source:
+        raise SeriesError(f"{TRAINING_FILE}: {CONFIG_FROM_ARGS} sets {switch.name} itself")
+
+
+# ---------------------------------------------------------------------------------------------
 # Docs index and copied files
 # ---------------------------------------------------------------------------------------------
 
@@ -339,7 +713,9 @@ def test_files(with_offloader: bool) -> Dict[str, str]:
 def docs_files() -> Dict[str, str]:
     """Upstream path -> content of our docs pages."""
     root = UPSTREAM_DIR / "docs"
-    return {f"docs/{p.relative_to(root).as_posix()}": p.read_text() for p in sorted(root.rglob("*.md"))}
+    return {
+        f"docs/{p.relative_to(root).as_posix()}": p.read_text() for p in sorted(root.rglob("*.md"))
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,26 +770,48 @@ SUBSYSTEM_MESSAGE = """\
 Add an optimizer-state adoption registry for DistributedOptimizer
 
 Add megatron.core.optimizer.state_adoption: a registry of state adopters
-that DistributedOptimizer can consult when it loads its inner optimizer's
-state, and of exporters for the inner state it reads back. The first
-adopter that accepts installs the state; otherwise the inner optimizer's
-own load_state_dict runs unchanged. A failing check counts as a decline;
-a failing adoption is rolled back and the optimizer's own loader runs.
-Each load reports a StateAdoptionOutcome to registered outcome hooks.
+that DistributedOptimizer can consult when it loads its inner
+optimizer's state, and of state exporters for the inner state dict it
+reads back. The first adopter that accepts installs the state;
+otherwise the inner optimizer's own load_state_dict (state_dict) runs
+unchanged.
+
+The loader, not each adopter, enforces the rules that keep this safe.
+The own method runs, exactly once and without asking any adopter, when
+adoption is switched off, when the optimizer instance carries its own
+method (a wrapper), or when load_state_dict (state_dict) pre- or
+post-hooks are registered or the hook registries cannot be inspected,
+so every hook runs as often as before. A check that raises counts as a
+decline. An adoption that raises, or that leaves the optimizer as no
+loader would (checked after every install), is rolled back (the
+captured state and param_groups are assigned back) and the own loader
+runs on an untouched copy of the incoming containers. An export is
+checked against the state the optimizer holds before it is used.
+
+Every call ends in a StateAdoptionOutcome, also when the own method
+raises, handed to the hooks registered with register_outcome_hook. Its
+byte counts are measured after the call from storage identity
+(reused_bytes: installed by reference, allocated_bytes: newly
+allocated), so a PyTorch loader that starts copying shows up there and
+in a warning.
 
 The default adopter, te_fused_adam_fp32, covers Transformer Engine's
 FusedAdam with FP32 moments and no master weights or parameter
-remainders. There FusedAdam.load_state_dict allocates a second copy of
-both moments while the caller still holds the incoming ones (8 bytes
-per parameter of transient memory on every resume); the adopter installs
-the incoming tensors by reference through PyTorch's loader instead.
-Every other configuration is declined and keeps FusedAdam's loader.
+remainders, read from the instance (name_to_dtype_map, master_weights,
+store_param_remainders). There FusedAdam.load_state_dict allocates a
+second copy of both moments while the caller still holds the incoming
+ones (8 bytes per parameter of transient memory on every resume); the
+adopter installs the incoming tensors by reference through PyTorch's
+loader instead. Every other configuration keeps FusedAdam's loader.
 
-Third-party adopters are registered in code (register_state_adopter) or
-through the entry-point group megatron_core.optimizer_state_adopters.
-MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1 switches adoption off;
-MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,... disables adopters by
-name.
+Third-party adopters are registered in code (register_state_adopter; a
+StateAdopterRegistry passed as registry= gives tests an isolated one)
+or through the entry-point group megatron_core.optimizer_state_adopters.
+They are tried in a fixed order: built-in, entry points by name, code
+registrations, with prepend=True before all. The switch is
+OptimizerConfig.optimizer_state_adoption, added later in this series;
+MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1 and
+MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,... override it for a run.
 """
 
 CALL_SITE_SUBJECT = "Route DistributedOptimizer's inner state load through state adoption\n\n"
@@ -441,7 +839,11 @@ def call_site_message(hunks: Sequence[Hunk], offloader: bool) -> str:
     kinds = tuple(sorted({h.kind for h in hunks} - {"import"}))
     if kinds not in CALL_SITE_BODY:
         raise SeriesError(f"no commit message for a call-site change of kinds {kinds}")
-    return CALL_SITE_SUBJECT + CALL_SITE_BODY[kinds] + (CALL_SITE_MESSAGE_OFFLOADER if offloader else "")
+    return (
+        CALL_SITE_SUBJECT
+        + CALL_SITE_BODY[kinds]
+        + (CALL_SITE_MESSAGE_OFFLOADER if offloader else "")
+    )
 
 
 CALL_SITE_MESSAGE_OFFLOADER = """
@@ -453,15 +855,36 @@ mechanism, not an optional memory optimisation, so it is never subject
 to adoption, the kill switch or a fallback.
 """
 
+CONFIG_MESSAGE = """\
+Add an OptimizerConfig switch for optimizer state adoption
+
+Add OptimizerConfig.optimizer_state_adoption (default True). When it is
+False, DistributedOptimizer's loads and reads of its inner optimizer's
+state always run the inner optimizer's own load_state_dict and
+state_dict; no adopter or exporter is consulted.
+
+Megatron-LM: --no-optimizer-state-adoption sets it to False. It sits
+with the optimizer arguments in _add_training_args;
+get_megatron_optimizer_config copies every OptimizerConfig field from
+the arguments by name, so training.py needs no change.
+"""
+
 TESTS_MESSAGE = """\
 Add unit tests for optimizer state adoption
 
-Cover the registry (unique names, ordering, prepend, handles, disabling
-by name, the kill switch, outcome hooks), fail-safety (a raising check
-declines; a raising adoption is rolled back and the optimizer's own
-loader runs), the instance-level load_state_dict rule, the default
-adopter with Transformer Engine's FusedAdam, and a DistributedOptimizer
-save and load through dist_checkpointing with bitwise-equal state.
+Cover the registry (unique and well-formed names, order, prepend,
+handles, isolated registries, disabling by name, the kill switch, the
+OptimizerConfig switch and its Megatron-LM argument, outcome hooks),
+the loader's central rules (an instance-level load_state_dict and
+registered load hooks run exactly once, without asking adopters), the
+measured outcome (bytes installed by reference or newly allocated,
+which pins PyTorch's by-reference install on CPU), fail-safety (a
+raising check declines; a raising adoption, or one that installs
+nothing, is rolled back and the optimizer's own loader runs; a
+malformed export is not used; an own loader that raises is reported
+and re-raised), the default adopter with
+Transformer Engine's FusedAdam, and a DistributedOptimizer save and load
+through dist_checkpointing with bitwise-equal state.
 """
 
 TESTS_MESSAGE_OFFLOADER = """
@@ -474,9 +897,89 @@ DOCS_MESSAGE = """\
 Document optimizer state adoption in the API guide
 
 Add an API guide page on what state adoption does, when the default
-adopter applies, how to write and register an adopter, and how to
-switch adoption off.
+adopter applies, what the loader guarantees, how to observe loads, how
+to write, register and test an adopter, how to switch adoption off, and
+why this lives in Megatron Core rather than in Transformer Engine.
 """
+
+COVER_SUBJECT = "Optimizer-state adoption for DistributedOptimizer checkpoint loading"
+
+COVER_INTRO = """\
+When a DistributedOptimizer with Transformer Engine's FusedAdam resumes
+from a checkpoint, FusedAdam.load_state_dict allocates a second copy of
+both Adam moments while the caller still holds the incoming ones: a
+transient 8 bytes per parameter on every rank. This series lets
+DistributedOptimizer hand the assembled inner state to registered state
+adopters; the default one installs FP32 moments by reference through
+PyTorch's loader instead. Every other configuration, and every case the
+loader cannot prove safe, runs the inner optimizer's own load_state_dict
+exactly as today.
+
+1. the subsystem (megatron/core/optimizer/state_adoption/);
+2. the call site: one import and one small hunk per call in
+   DistributedOptimizer.load_state_dict;
+3. the switch: OptimizerConfig.optimizer_state_adoption and
+   --no-optimizer-state-adoption;
+4. unit tests (tests/unit_tests/optimizer/test_state_adoption.py);
+5. the API guide page (docs/api-guide/core/optimizer_state_adoption.md).
+"""
+
+COVER_OFFLOADER = """\
+On dev, the chunked optimizer-state offloader keeps its own path: with
+self._optimizer_state_offloader set, load_state_dict makes exactly the
+calls it makes today and consults no adopter, because the offloader's
+loader is part of the offload mechanism, not an optional optimisation
+(tests/unit_tests/optimizer/test_state_adoption_offloader.py).
+"""
+
+COVER_SECTIONS = ("Why not in Transformer Engine", "Review of Megatron-LM PR 7288")
+"""The docs page's sections that the cover letter carries (re-wrapped for e-mail)."""
+
+COVER_WIDTH = 72
+
+
+def docs_section(page: str, title: str) -> str:
+    """The body of the ``## title`` section of a Markdown page (up to the next ``## ``)."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", page, re.MULTILINE | re.DOTALL)
+    if match is None:
+        raise SeriesError(f"{DOCS_PAGE} has no section '## {title}'")
+    return match.group(1).strip("\n") + "\n"
+
+
+def rewrap(markdown: str, width: int = COVER_WIDTH) -> str:
+    """Re-wrap Markdown paragraphs and list items to ``width`` (no code blocks expected)."""
+    if "```" in markdown:
+        raise SeriesError("a section carried into the cover letter has a code block")
+    out = []
+    for block in re.split(r"\n\s*\n", markdown.strip("\n")):
+        items = re.split(r"\n(?=(?:[-*]|\d+\.) )", block)
+        for item in items:
+            bullet = re.match(r"(?:[-*]|\d+\.) ", item)
+            prefix = bullet.group(0) if bullet else ""
+            words = " ".join(item[len(prefix) :].split())
+            out.append(
+                textwrap.fill(
+                    words,
+                    width=width,
+                    initial_indent=prefix,
+                    subsequent_indent=" " * len(prefix),
+                    break_on_hyphens=False,
+                    break_long_words=False,
+                )
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def cover_letter_text(offloader: bool) -> str:
+    """The cover letter: subject line, blank line, body (``git format-patch`` adds the rest)."""
+    page = (UPSTREAM_DIR / "docs" / Path(DOCS_PAGE).relative_to("docs")).read_text()
+    parts = [COVER_SUBJECT, "", COVER_INTRO]
+    if offloader:
+        parts.append(COVER_OFFLOADER)
+    for title in COVER_SECTIONS:
+        parts += [title, "-" * len(title), "", rewrap(docs_section(page, title))]
+    return "\n".join(parts).rstrip("\n") + "\n"
 
 
 def _git(cwd: Path, *args: str, env: Optional[Dict[str, str]] = None) -> str:
@@ -517,39 +1020,59 @@ def _write(root: Path, files: Dict[str, str]) -> None:
 
 @dataclass
 class Snapshot:
-    """The Megatron-LM files the series touches, from one commit of one branch."""
+    """The Megatron-LM files the series reads, from one commit of one branch.
+
+    Attributes:
+        files: the files the series changes (``TOUCHED_UPSTREAM_FILES``).
+        checked: the files it only reads to check an assumption (``CHECKED_UPSTREAM_FILES``).
+    """
 
     branch: str
     commit: str
     files: Dict[str, str]
+    checked: Dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_git_dir(cls, git_dir: Path, branch: str) -> "Snapshot":
-        """Read the touched files of ``branch`` from a bare clone (e.g. the fetched mirror)."""
-        commit = _git(git_dir, "rev-parse", f"refs/heads/{branch}^{{commit}}").strip()
+    def from_git_dir(cls, git_dir: Path, branch: str, commit: Optional[str] = None) -> "Snapshot":
+        """Read the files of ``commit`` (default: the tip of ``branch``) from a bare clone."""
+        if commit is None:
+            commit = _git(git_dir, "rev-parse", f"refs/heads/{branch}^{{commit}}").strip()
         files = {p: _git(git_dir, "show", f"{commit}:{p}") for p in TOUCHED_UPSTREAM_FILES}
-        return cls(branch, commit, files)
+        checked = {p: _git(git_dir, "show", f"{commit}:{p}") for p in CHECKED_UPSTREAM_FILES}
+        return cls(branch, commit, files, checked)
 
     @classmethod
     def from_tree(cls, tree: Path, branch: str, commit: Optional[str]) -> "Snapshot":
-        """Read the touched files of a checkout; ``commit`` defaults to its git HEAD."""
+        """Read the files of a checkout; ``commit`` defaults to its git HEAD."""
         if commit is None:
             commit = _git(tree, "rev-parse", "HEAD").strip()
         files = {p: (tree / p).read_text() for p in TOUCHED_UPSTREAM_FILES}
-        return cls(branch, commit, files)
+        checked = {p: (tree / p).read_text() for p in CHECKED_UPSTREAM_FILES}
+        return cls(branch, commit, files, checked)
 
 
 def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
     """The series for ``snapshot``: (commit message, files written) per commit, in order."""
     hunks = our_call_site_hunks()
+    config_hunks = our_config_hunks()
+    switch = adoption_switch(config_hunks)
+    if set(snapshot.checked) != set(CHECKED_UPSTREAM_FILES):
+        raise SeriesError(
+            f"the snapshot lacks {sorted(set(CHECKED_UPSTREAM_FILES) - set(snapshot.checked))}"
+        )
+    check_config_copied_from_args(snapshot.checked[TRAINING_FILE], switch)
     call_site = snapshot.files[CALL_SITE]
     offloader = has_offloader_special_case(call_site)
     page = Path(DOCS_PAGE).stem
     return [
         (SUBSYSTEM_MESSAGE, subsystem_files()),
+        (call_site_message(hunks, offloader), {CALL_SITE: change_call_site(call_site, hunks)}),
         (
-            call_site_message(hunks, offloader),
-            {CALL_SITE: change_call_site(call_site, hunks)},
+            CONFIG_MESSAGE,
+            {
+                CONFIG_FILE: change_optimizer_config(snapshot.files[CONFIG_FILE], config_hunks),
+                ARGUMENTS_FILE: add_switch_argument(snapshot.files[ARGUMENTS_FILE], switch),
+            },
         ),
         (TESTS_MESSAGE + (TESTS_MESSAGE_OFFLOADER if offloader else ""), test_files(offloader)),
         (
@@ -559,10 +1082,17 @@ def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
     ]
 
 
+SERIES_BRANCH = "optimizer-state-adoption"
+"""The branch the series is committed on in the scratch repository (its description is the cover)."""
+
+
 def build(
     snapshot: Snapshot, out_dir: Path, identity: Optional[Tuple[str, str]] = None
 ) -> List[Path]:
     """Write the series for ``snapshot`` into ``out_dir`` (emptied first); return the patches.
+
+    The patches are the cover letter (``0000-cover-letter.patch``, from the scratch branch's
+    description) and one patch per commit.
 
     Args:
         snapshot: the Megatron-LM files the series changes.
@@ -571,28 +1101,54 @@ def build(
     """
     name, email = identity or _identity()
     env = _commit_env(name, email)
+    commits = series_commits(snapshot)
+    cover = cover_letter_text(has_offloader_special_case(snapshot.files[CALL_SITE]))
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         _git(work, "init", "-q", "-b", "base", env=env)
         _write(work, snapshot.files)
         _git(work, "add", "-A", env=env)
-        _git(work, "commit", "-q", "-m", f"Megatron-LM {snapshot.branch} {snapshot.commit}", env=env)
+        _git(
+            work, "commit", "-q", "-m", f"Megatron-LM {snapshot.branch} {snapshot.commit}", env=env
+        )
         base = _git(work, "rev-parse", "HEAD").strip()
-        for message, files in series_commits(snapshot):
+        _git(work, "checkout", "-q", "-b", SERIES_BRANCH, env=env)
+        _git(work, "config", f"branch.{SERIES_BRANCH}.description", cover, env=env)
+        for message, files in commits:
             _write(work, files)
             _git(work, "add", "-A", env=env)
             subprocess.run(
                 ["git", "commit", "-q", "-s", "-F", "-"],
-                cwd=work, env=env, input=message, text=True, check=True, capture_output=True,
+                cwd=work,
+                env=env,
+                input=message,
+                text=True,
+                check=True,
+                capture_output=True,
             )
         if out_dir.exists():
             shutil.rmtree(out_dir)
         out_dir.mkdir(parents=True)
         _git(
-            work, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-numbered-files",
-            "-o", str(out_dir), f"{base}..HEAD", env=env,
+            work,
+            "format-patch",
+            "-q",
+            "--zero-commit",
+            "--no-signature",
+            "--no-numbered-files",
+            "--cover-letter",
+            "--cover-from-description=subject",
+            "-o",
+            str(out_dir),
+            f"{base}..{SERIES_BRANCH}",
+            env=env,
         )
     return sorted(out_dir.glob("*.patch"))
+
+
+def code_patches(patches: Sequence[Path]) -> List[Path]:
+    """The patches without the cover letter (which ``git apply`` and ``git am`` cannot take)."""
+    return [p for p in patches if p.name != COVER_LETTER]
 
 
 def _manifest() -> Dict[str, Dict[str, object]]:
@@ -604,21 +1160,22 @@ def _manifest() -> Dict[str, Dict[str, object]]:
 
 def _blob_id(content: str) -> str:
     result = subprocess.run(
-        ["git", "hash-object", "--stdin"], input=content, text=True, check=True,
-        capture_output=True,
+        ["git", "hash-object", "--stdin"], input=content, text=True, check=True, capture_output=True
     )
     return result.stdout.strip()
 
 
 def record(snapshot: Snapshot, patches: Sequence[Path], apply_check: Optional[str]) -> None:
-    """Record the snapshot commit, its touched files' blob ids and the patch names."""
+    """Record the snapshot commit, its files' blob ids, the cover letter and the patch names."""
     manifest = _manifest()
     entry = manifest.get(snapshot.branch, {})
     entry.update(
         snapshot_commit=snapshot.commit,
         offloader_special_case=has_offloader_special_case(snapshot.files[CALL_SITE]),
         pre_image_blobs={p: _blob_id(c) for p, c in sorted(snapshot.files.items())},
-        patches=[p.name for p in patches],
+        checked_blobs={p: _blob_id(c) for p, c in sorted(snapshot.checked.items())},
+        cover_letter=COVER_LETTER,
+        patches=[p.name for p in code_patches(patches)],
         series_date=SERIES_DATE,
         author="{} <{}>".format(*_identity()),
     )
@@ -630,6 +1187,7 @@ def record(snapshot: Snapshot, patches: Sequence[Path], apply_check: Optional[st
 
 def apply_check(git_dir: Path, commit: str, patches: Sequence[Path]) -> str:
     """``git apply --check`` the series on a full work tree of ``commit``; return a summary."""
+    patches = code_patches(patches)
     with tempfile.TemporaryDirectory() as scratch:
         tree = Path(scratch)
         archive = subprocess.run(
@@ -639,7 +1197,9 @@ def apply_check(git_dir: Path, commit: str, patches: Sequence[Path]) -> str:
         _git(tree, "init", "-q")
         result = subprocess.run(
             ["git", "apply", "--check", "--verbose", *map(str, patches)],
-            cwd=tree, capture_output=True, text=True,
+            cwd=tree,
+            capture_output=True,
+            text=True,
         )
     if result.returncode != 0:
         raise SeriesError(f"git apply --check failed on {commit}:\n{result.stderr}")
@@ -656,7 +1216,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--branch", choices=BRANCHES, action="append")
     parser.add_argument("--snapshot-commit", help="commit of --source-tree (default: its HEAD)")
     parser.add_argument(
-        "--out", type=Path, default=UPSTREAM_DIR, help="series go to OUT/<branch>/ (default upstream/)"
+        "--out",
+        type=Path,
+        default=UPSTREAM_DIR,
+        help="series go to OUT/<branch>/ (default upstream/)",
     )
     parser.add_argument("--no-record", action="store_true", help="do not update series.json")
     args = parser.parse_args(argv)
@@ -680,8 +1243,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             if args.git_dir is None:
                 parser.error("check needs --git-dir")
+            recorded = _manifest().get(branch, {})
+            commit = str(recorded.get("snapshot_commit", snapshot.commit))
             patches = sorted(out_dir.glob("*.patch"))
-            print(f"{branch}: {apply_check(args.git_dir, snapshot.commit, patches)}")
+            print(f"{branch}: {apply_check(args.git_dir, commit, patches)}")
     return 0
 
 

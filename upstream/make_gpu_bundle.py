@@ -8,8 +8,9 @@ For each branch recorded in upstream/series.json this writes
   import), ``tests/test_utils/python_scripts/download_unit_tests_dataset.py`` (imported by
   ``tests/unit_tests/conftest.py``), ``pyproject.toml`` (pytest's options and markers) and
   ``docs/api-guide/core/index.md`` (the docs patch adds a line to it, so the whole series applies);
-* ``upstream-series/*.patch``: the committed series for that branch, applied by the runner for
-  the "with" variant.
+* ``upstream-series/*.patch``: the committed series for that branch (the patches listed in
+  series.json, without the cover letter, which ``git apply`` cannot take), applied by the runner
+  for the "with" variant.
 
 Usage: python upstream/make_gpu_bundle.py --git-dir MIRROR.git [--out .gpu-mlm]
 """
@@ -36,8 +37,8 @@ SNAPSHOT_PATHS = (
 )
 
 
-def bundle(git_dir: Path, branch: str, commit: str, out: Path) -> Path:
-    """Write the bundle of ``branch`` at ``commit`` into ``out``; return its path."""
+def bundle(git_dir: Path, branch: str, commit: str, patches: Sequence[str], out: Path) -> Path:
+    """Write the bundle of ``branch`` at ``commit`` with ``patches`` into ``out``; return its path."""
     archive = subprocess.run(
         ["git", "--git-dir", str(git_dir), "archive", "--format=tar", commit, *SNAPSHOT_PATHS],
         check=True,
@@ -48,7 +49,8 @@ def bundle(git_dir: Path, branch: str, commit: str, out: Path) -> Path:
         with tarfile.open(fileobj=io.BytesIO(archive)) as snapshot:
             for member in snapshot.getmembers():
                 packed.addfile(member, snapshot.extractfile(member) if member.isfile() else None)
-        for patch in sorted((REPO_ROOT / "upstream" / branch).glob("*.patch")):
+        for name in patches:
+            patch = REPO_ROOT / "upstream" / branch / name
             packed.add(patch, arcname=f"upstream-series/{patch.name}")
         info = tarfile.TarInfo("SNAPSHOT_COMMIT")
         data = f"{branch} {commit}\n".encode()
@@ -66,8 +68,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     manifest = json.loads((REPO_ROOT / "upstream" / "series.json").read_text())
     args.out.mkdir(parents=True, exist_ok=True)
     for branch, entry in sorted(manifest.items()):
-        path = bundle(args.git_dir, branch, entry["snapshot_commit"], args.out)
-        print(f"{path} {path.stat().st_size / 2**20:.1f} MiB ({branch} @ {entry['snapshot_commit']})")
+        path = bundle(args.git_dir, branch, entry["snapshot_commit"], entry["patches"], args.out)
+        print(
+            f"{path} {path.stat().st_size / 2**20:.1f} MiB ({branch} @ {entry['snapshot_commit']})"
+        )
     return 0
 
 

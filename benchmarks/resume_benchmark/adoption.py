@@ -4,15 +4,28 @@ Every resume rank records the ``state_adoption`` field of its result::
 
     {"adopters": ["te_fused_adam_fp32"],      # registered; None: no state-adoption subsystem
      "outcomes": [{"hook_point": "load",      # one per call: "load" (the inner load_state_dict)
-                   "optimizer": "FusedAdam",  # or "export" (the inner state_dict())
+                                              # or "export" (the inner state_dict())
+                   "optimizer": "FusedAdam 0x7f3a2c1b (40 params, 557,297,664 elements)",
                    "adopter": "te_fused_adam_fp32",  # None: the optimizer's own method ran
-                   "avoided_bytes": 4458381312,
+                   "method": None,            # the own method that ran instead, e.g.
+                                              # "FusedAdam.load_state_dict" or "load_state_dict
+                                              # set on the FusedAdam instance"
+                   "reused_bytes": 4458381312,  # state held in tensors that existed before
+                                                # the call (installed by reference)
+                   "allocated_bytes": 0,      # state held in tensors the call allocated
                    "declines": [],            # [adopter name, reason] of each adopter skipped
-                   "fallback_reason": None}]} # why the own method ran
+                   "fallback_reason": None,   # why the own method ran
+                   "error": None}]}           # what the own method raised (then re-raised)
 
 ``outcomes`` are the subsystem's :class:`StateAdoptionOutcome` records (``to_json()``) handed
-to an outcome hook registered around the load and removed after it, on every rank. ``None``:
+to an outcome hook registered around the load and removed after it, on every rank. The byte
+counts are measured by the subsystem after each call, per call: the two load passes of one
+resume happen one after the other, so their figures are not to be added up. ``None``:
 upstream (no ``megatron.core.optimizer.state_adoption``) or a build without outcome hooks.
+
+Results written by earlier builds carry ``avoided_bytes`` (the adopter's claim) instead of
+``reused_bytes``/``allocated_bytes``/``method``/``error``, and a class name as ``optimizer``;
+nothing here reads those fields, so both shapes render alike.
 
 Pure Python (no torch, no Megatron at import time).
 """

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=INSTANCE_LOADERS,
         help="resume with an instance-level load_state_dict on every inner FusedAdam (both "
         "sides), as Megatron-Bridge's loading context sets one: 'bridge-like' runs PyTorch's "
-        "loader only; the build must decline adoption and call it once per load; expected "
+        "loader only; the build must leave it to that method (no adopter installs the state) "
+        "and call it once per load; expected "
         "saving 0 (both sides load by reference). Not with precision_aware_bf16",
     )
     parser.add_argument(

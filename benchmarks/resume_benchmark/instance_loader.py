@@ -9,8 +9,8 @@ sets such a method (``types.MethodType`` on the instance) on the inner optimizer
 DistributedOptimizer, counts its calls, and removes it after the load.
 
 Upstream calls ``optimizer.load_state_dict(...)``, which finds the instance's method. The build
-must decline adoption for such an instance (the method is the caller's business) and call it,
-exactly once per load, from its fallback; its outcomes say so.
+must not let an adopter install the state of such an instance (the method is the caller's
+business) and must call it, exactly once per load; its outcomes name that method as what ran.
 """
 
 from __future__ import annotations

@@ -33,7 +33,13 @@ _SAVING_KEYS: Final = (
 
 
 def _outcome_of_event(event: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The load outcome a logged event stands for; None for other messages."""
+    """The load outcome a logged event stands for, in the current outcome's fields; None for
+    other messages.
+
+    Such a log named neither the optimizer nor the own method, and recorded the bytes an
+    adopter claimed to have installed by reference (``avoided_bytes``), not what was measured:
+    that claim stands as ``reused_bytes``, and the unrecorded fields are None.
+    """
     adopter = event.get("adopter")
     if not adopter and not str(event.get("message", "")).startswith(FALLBACK_PREFIX):
         return None
@@ -41,9 +47,12 @@ def _outcome_of_event(event: Mapping[str, Any]) -> dict[str, Any] | None:
         "hook_point": "load",
         "optimizer": None,
         "adopter": adopter or None,
-        "avoided_bytes": event.get("avoided_bytes") or 0,
+        "method": None,
+        "reused_bytes": event.get("avoided_bytes") or 0,
+        "allocated_bytes": None,
         "declines": [],
         "fallback_reason": None if adopter else str(event.get("message")),
+        "error": None,
     }
 
 

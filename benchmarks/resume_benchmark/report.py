@@ -226,20 +226,30 @@ def _adoption_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def _instance_loader_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
-    """What the instance-level loader was, and why the build's adopters declined it."""
+    """What the instance-level loader was, and what the build did with it: the reasons its
+    adopters declined (builds that asked them) and the own method that ran and why (builds
+    whose outcomes name it, which leave such an instance to its method without asking)."""
     lines = []
     for entry in cases:
         if not entry.get("instance_loader"):
             continue
         builds = [s for label, s in _resume_sides(entry) if label == "build"]
+        loads = [o for side in builds for o in load_outcomes(side.get("state_adoption"))]
         reasons = sorted(
-            {f"{name}: {reason}" for side in builds for o in load_outcomes(side.get("state_adoption"))
-             for name, reason in o.get("declines") or []}
+            {f"{name}: {reason}" for o in loads for name, reason in o.get("declines") or []}
+        )
+        ran = sorted(
+            {f"{o['method']} ({o.get('fallback_reason')})" for o in loads
+             if o.get("method") and not o.get("adopter")}
         )  # fmt: skip
+        parts = [] if ran and not reasons else [
+            "build declines: " + ("; ".join(reasons) or "none recorded")
+        ]
+        parts += ["build ran " + "; ".join(ran)] if ran else []
         lines.append(
             f"- {_case_name(entry)}: a {entry['instance_loader']} instance-level load_state_dict "
             "(PyTorch's loader only) was set on every inner FusedAdam for each resume's load, both "
-            "sides; build declines: " + ("; ".join(reasons) or "none recorded")
+            "sides; " + "; ".join(parts)
         )
     return lines
 

@@ -33,7 +33,7 @@ DEFAULT_ADOPTERS = ["te_fused_adam_fp32"]
 def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path: Path) -> None:
     from benchmarks.resume_benchmark.cases import PRESETS, make_case
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
-    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, distributed_optimizers
+    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, inner_optimizers
 
     case = make_case(case_name, PRESETS["tiny"])
     if case_name in UNSUPPORTED_FORMATS:
@@ -48,16 +48,22 @@ def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path:
 
     start = allocated_now()
     model_chunks, optimizer = build_gpt_and_optimizer(case)
-    inner_optimizers = len(list(distributed_optimizers(optimizer)))
+    inners = inner_optimizers(optimizer)
     with recorded_outcomes() as outcomes:
         load_checkpoint(model_chunks, optimizer, case.sharding_format, tmp_path / "checkpoint")
     # Two load passes (scaffold, payload) per DistributedOptimizer, each after a state-dict read.
-    assert exported_by(outcomes) == [None] * 2 * inner_optimizers
+    assert exported_by(outcomes) == [None] * 2 * len(inners)
+    loads = [o for o in outcomes if o.hook_point == "load"]
     if case.precision_aware:
-        assert loaded_by(outcomes) == [None] * 2 * inner_optimizers
+        assert loaded_by(outcomes) == [None] * 2 * len(inners)
+        assert all(o.method == "FusedAdam.load_state_dict" and o.allocated_bytes > 0 for o in loads), loads
     else:
-        assert loaded_by(outcomes) == ["te_fused_adam_fp32"] * 2 * inner_optimizers
-        assert all(o.avoided_bytes > 0 for o in outcomes if o.hook_point == "load")
+        assert loaded_by(outcomes) == ["te_fused_adam_fp32"] * 2 * len(inners)
+        # measured per load: every moment installed by reference (8 B x that optimizer's
+        # parameters), nothing allocated; each pass reports its own figure
+        moment_bytes = sorted(8 * sum(p.numel() for g in o.param_groups for p in g["params"]) for o in inners)
+        assert sorted(o.reused_bytes for o in loads) == sorted(moment_bytes * 2), loads
+        assert all(o.allocated_bytes == 0 for o in loads), loads
     assert digests(model_chunks, optimizer) == control["saved"]
 
     result, step_peak = step_with_peak(model_chunks, optimizer, case, start)

@@ -11,8 +11,9 @@ ChainedOptimizer, TP 2), saves a ``torch_dist`` checkpoint into one directory, t
 as the uninterrupted control, then builds a fresh model and optimizer in the same process and
 loads the checkpoint through the installed build. On every rank: the state-adoption outcomes
 say ``te_fused_adam_fp32`` installed the state on both load passes of every DistributedOptimizer,
-each avoiding 8 B x that optimizer's parameters on the rank; the restored state and step N+1
-are bitwise equal to the control. The ranks exchange their findings before asserting, so a
+each measured as 8 B x that optimizer's parameters on the rank installed by reference
+(``reused_bytes``) and nothing newly allocated; the restored state and step N+1 are bitwise
+equal to the control. The ranks exchange their findings before asserting, so a
 failure on one rank fails the test on both instead of leaving the other waiting.
 
 Skipped, with the reason, without CUDA and Transformer Engine, or unless launched as exactly
@@ -95,7 +96,8 @@ def _on_every_rank(problems: List[str]) -> List[str]:
 
 def _outcome_problems(outcomes: Any, params_per_optimizer: List[int]) -> List[str]:
     """What is wrong with this rank's load outcomes (empty: both passes of every optimizer
-    adopted by the default adopter, each avoiding 8 B x that optimizer's parameters)."""
+    adopted by the default adopter, each installing 8 B x that optimizer's parameters by
+    reference and allocating nothing)."""
     if outcomes is None:
         return ["the installed megatron-core records no state-adoption outcomes (no register_outcome_hook)"]
     loads = [o for o in outcomes if o["hook_point"] == "load"]
@@ -105,10 +107,13 @@ def _outcome_problems(outcomes: Any, params_per_optimizer: List[int]) -> List[st
         for o in loads
         if o["adopter"] != ADOPTER
     ]
-    avoided = sorted(o["avoided_bytes"] for o in loads)
+    reused = sorted(o["reused_bytes"] for o in loads)
     expected = sorted(8 * p for p in params_per_optimizer for _ in range(2))  # two load passes
-    if avoided != expected:
-        problems.append(f"avoided bytes {avoided}, expected {expected} (8 B x params, per pass)")
+    if reused != expected:
+        problems.append(f"bytes installed by reference {reused}, expected {expected} (8 B x params, per pass)")
+    allocated = [o["allocated_bytes"] for o in loads]
+    if any(allocated):
+        problems.append(f"bytes newly allocated {allocated}, expected none")
     return problems
 
 

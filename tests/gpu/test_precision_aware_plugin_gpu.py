@@ -27,9 +27,13 @@ from mcore_runs import (
 from outcome_recording import exported_by, loaded_by, recorded_outcomes
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.optimizer.state_adoption import register_state_adopter, registered_state_adopters
-from megatron.core.optimizer.state_adoption.loader import _export_inner_state, _load_inner_state
-from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry
+from megatron.core.optimizer.state_adoption import (
+    StateAdopterRegistry,
+    export_inner_optimizer_state_dict,
+    load_inner_optimizer_state_dict,
+    register_state_adopter,
+    registered_state_adopters,
+)
 from megatron.core.optimizer.state_adoption.testing import assert_adoption_matches_own_loader
 
 pytestmark = gpu_only
@@ -80,6 +84,13 @@ def _adopter() -> Any:
     return plugin.TEFusedAdamPrecisionAwareStateAdopter()
 
 
+def _registry() -> StateAdopterRegistry:
+    """Only the plugin's adopter, without entry-point discovery."""
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(_adopter())
+    return registry
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_scaffold_pass_equals_te_loader(mode: str) -> None:
     assert_adoption_matches_own_loader(_adopter(), lambda: _fused_adam(mode), lambda: _scaffold(mode), CONTEXT_KWARGS)
@@ -100,11 +111,10 @@ def test_payload_pass_keeps_held_state_equal_to_te_loader(mode: str) -> None:
 def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) -> None:
     adopted, by_te = _loaded(mode), _loaded(mode)
     held = state_tensors(adopted)
-    registry = _StateAdopterRegistry(entry_point_group=None)
-    registry.register(_adopter())
+    owner, registry = Owner(adopted, config=PRECISION_AWARE), _registry()
     peaks = []
     for optimizer, load in (
-        (adopted, lambda sd: _load_inner_state(Owner(adopted, config=PRECISION_AWARE), sd, registry)),
+        (adopted, lambda sd: load_inner_optimizer_state_dict(owner, sd, registry=registry)),
         (by_te, by_te.load_state_dict),
     ):
         state_dict = optimizer.state_dict()
@@ -171,14 +181,13 @@ def test_exported_held_state_reloads_without_new_state_and_equals_te(mode: str) 
     """MCore's payload pass with the export: read the state dict, hand it back to the load."""
     ours, by_te = _loaded(mode), _loaded(mode)
     held = state_tensors(ours)
-    registry = _StateAdopterRegistry(entry_point_group=None)
-    registry.register(_adopter())
+    registry = _registry()
     owner = Owner(ours, config=PRECISION_AWARE)
     free_cuda()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    exported = _export_inner_state(owner, registry)
-    outcome = _load_inner_state(owner, exported, registry)
+    exported = export_inner_optimizer_state_dict(owner, registry=registry)
+    outcome = load_inner_optimizer_state_dict(owner, exported, registry=registry)
     del exported
     torch.cuda.synchronize()
     our_peak = torch.cuda.max_memory_allocated() - before

@@ -8,8 +8,11 @@ from builders import Owner, make_context
 from gpu_requirements import gpu_only
 from te_optimizers import bitwise_equal, params_of, random_step, state_tensors
 
-from megatron.core.optimizer.state_adoption.loader import _load_inner_state
-from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry
+from megatron.core.optimizer.state_adoption import (
+    StateAdopterRegistry,
+    StateAdoptionOutcome,
+    load_inner_optimizer_state_dict,
+)
 from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 pytestmark = gpu_only
@@ -34,6 +37,23 @@ def _trained(**kwargs: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _registry() -> StateAdopterRegistry:
+    """Only the default adopter, as the build registers it, without entry-point discovery."""
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(TEFusedAdamFP32StateAdopter())
+    return registry
+
+
+def _load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> StateAdoptionOutcome:
+    """Load through the loader, as a DistributedOptimizer does, with only the default adopter."""
+    return load_inner_optimizer_state_dict(Owner(optimizer), state_dict, registry=_registry())
+
+
+def _moment_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """8 B per parameter: one FP32 exp_avg and one FP32 exp_avg_sq element."""
+    return 8 * sum(p.numel() for p in params_of(optimizer))
+
+
 def _payload(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """FusedAdam's state dict (FP32 unscaled), every tensor cloned: MCore's scaffold shape."""
     state_dict = optimizer.state_dict()
@@ -48,38 +68,44 @@ def test_default_adopter_recognises_real_fused_adam() -> None:
 
 
 def test_adoption_installs_by_reference_without_allocating() -> None:
+    """The loader measures 8 B x params reused and nothing allocated; CUDA agrees."""
     optimizer = _fused_adam()
     payload = _payload(_trained())
     incoming = [payload["state"][i][k] for i in sorted(payload["state"]) for k in ("exp_avg", "exp_avg_sq")]
+    registry = _registry()
     torch.cuda.synchronize()
     allocations_before = torch.cuda.memory_stats()["allocation.all.allocated"]
     allocated_before = torch.cuda.memory_allocated()
-    avoided = TEFusedAdamFP32StateAdopter().adopt(make_context(optimizer, payload))
+    outcome = load_inner_optimizer_state_dict(Owner(optimizer), payload, registry=registry)
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations_before
     assert torch.cuda.memory_allocated() == allocated_before
     assert [t.data_ptr() for t in state_tensors(optimizer)] == [t.data_ptr() for t in incoming]
-    assert avoided == 8 * sum(p.numel() for p in params_of(optimizer))
+    assert outcome.adopter == "te_fused_adam_fp32" and outcome.method is None
+    assert outcome.reused_bytes == _moment_bytes(optimizer) and outcome.allocated_bytes == 0
 
 
 def test_te_own_loader_allocates_a_second_copy() -> None:
-    """The problem being solved: TE's loader allocates every moment again."""
+    """The problem being solved: TE's loader allocates every moment again, and the loader's
+    measurement of it (with no adopter registered) says so."""
     optimizer = _fused_adam()
     payload = _payload(_trained())
     torch.cuda.synchronize()
     allocated_before = torch.cuda.memory_allocated()
-    optimizer.load_state_dict(payload)
+    outcome = load_inner_optimizer_state_dict(
+        Owner(optimizer), payload, registry=StateAdopterRegistry(entry_point_group=None)
+    )
     torch.cuda.synchronize()
-    moment_bytes = 8 * sum(p.numel() for p in params_of(optimizer))
-    assert torch.cuda.memory_allocated() - allocated_before >= moment_bytes
+    assert outcome.adopter is None and outcome.method == "FusedAdam.load_state_dict"
+    assert torch.cuda.memory_allocated() - allocated_before >= _moment_bytes(optimizer)
+    assert outcome.allocated_bytes == _moment_bytes(optimizer) and outcome.reused_bytes == 0
 
 
 def test_adopted_state_and_next_step_equal_te_loader() -> None:
     trained = _trained()
     adopted, by_te = _fused_adam(), _fused_adam()
-    registry = _StateAdopterRegistry(entry_point_group=None)
-    registry.register(TEFusedAdamFP32StateAdopter())
-    _load_inner_state(Owner(adopted), _payload(trained), registry)
+    outcome = _load(adopted, _payload(trained))
+    assert outcome.adopter == "te_fused_adam_fp32" and outcome.allocated_bytes == 0
     by_te.load_state_dict(_payload(trained))
     assert bitwise_equal(state_tensors(adopted), state_tensors(by_te))
     assert [g["step"] for g in adopted.param_groups] == [g["step"] for g in by_te.param_groups]
@@ -115,10 +141,9 @@ def test_fallback_modes_keep_te_loader_and_its_result(mode: str) -> None:
     ours, upstream = _fused_adam(**kwargs), _fused_adam(**kwargs)
     reason = TEFusedAdamFP32StateAdopter().decline_reason(make_context(ours, _payload(trained)))
     assert reason is not None
-    registry = _StateAdopterRegistry(entry_point_group=None)
-    registry.register(TEFusedAdamFP32StateAdopter())
-    outcome = _load_inner_state(Owner(ours), _payload(trained), registry)
+    outcome = _load(ours, _payload(trained))
     assert outcome.adopter is None and outcome.declines == (("te_fused_adam_fp32", reason),)
+    assert outcome.method == "FusedAdam.load_state_dict" and outcome.allocated_bytes > 0
     upstream.load_state_dict(_payload(trained))
     assert bitwise_equal(state_tensors(ours), state_tensors(upstream))
     random_step(ours, 3)

@@ -5,13 +5,24 @@ main repository) reproduces FusedAdam's precision-aware loading — BF16 moments
 copied back, master weights in FP32 or as int16 remainders, ``_scales`` — and
 ``initialize_state``. On CPU, MCore's OptimizerConfig refuses the precision-aware flag
 without TE, so the owner config here is a namespace with the two flags the adopter reads.
+
+Only public names of ``megatron.core.optimizer.state_adoption`` are used: loads and exports
+run through the loader functions with an isolated ``StateAdopterRegistry(entry_point_group=None)``
+passed as ``registry=``.
 """
 
+import importlib.util
+import os
+import shutil
+import subprocess
 import sys
+import tomllib
 import types
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
+
+from packaging.requirements import Requirement
 
 import pytest
 import torch
@@ -29,18 +40,27 @@ from megatron.core.distributed.distributed_data_parallel_config import (  # noqa
     DistributedDataParallelConfig,
 )
 from megatron.core.optimizer.state_adoption import (  # noqa: E402
+    StateAdopterRegistry,
     StateAdoptionContext,
+    StateAdoptionOutcome,
     StateExportContext,
+    export_inner_optimizer_state_dict,
+    load_inner_optimizer_state_dict,
+    registered_state_adopters,
 )
-from megatron.core.optimizer.state_adoption.loader import (  # noqa: E402
-    _export_inner_state,
-    _load_inner_state,
-)
-from megatron.core.optimizer.state_adoption.registry import _StateAdopterRegistry  # noqa: E402
 from megatron.core.optimizer.state_adoption.testing import (  # noqa: E402
     assert_adoption_matches_own_loader,
     assert_check_is_side_effect_free,
+    assert_export_matches_own_state_dict,
 )
+from megatron.core.optimizer.state_adoption.validation import (  # noqa: E402
+    exported_state_dict_decline_reason,
+)
+
+PLUGIN_ROOT = Path(__file__).resolve().parents[1]
+DISTRIBUTION = "mcore-te-precision-aware-adopter"
+PACKAGE = "mcore_te_precision_aware_adopter"
+ADOPTER_NAME = "te_fused_adam_precision_aware"
 
 PRECISION_AWARE = types.SimpleNamespace(use_precision_aware_optimizer=True, optimizer_cpu_offload=False)
 FP32_MODE = types.SimpleNamespace(use_precision_aware_optimizer=False, optimizer_cpu_offload=False)
@@ -101,7 +121,7 @@ def test_adoption_equals_te_loader(mode: str) -> None:
         made.append(_optimizer(**kwargs))
         return made[-1]
 
-    avoided = assert_adoption_matches_own_loader(
+    outcome = assert_adoption_matches_own_loader(
         _adopter(), make_optimizer, lambda: _scaffold(**kwargs), _context_kwargs()
     )
     adopted, by_te = made
@@ -113,14 +133,15 @@ def test_adoption_equals_te_loader(mode: str) -> None:
     half = len(scales) // 2
     assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(scales[:half], scales[half:]))
     bytes_per_element = 2 + 2 + (2 if kwargs.get("store_param_remainders") else 4 if kwargs["master_weights"] else 0)
-    assert avoided == bytes_per_element * sum(s[0] * (s[1] if len(s) > 1 else 1) for s in SHAPES)
+    elements = sum(s[0] * (s[1] if len(s) > 1 else 1) for s in SHAPES)
+    # Measured by MCore's loader: every installed tensor is an incoming one (by reference).
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (bytes_per_element * elements, 0)
 
 
 @pytest.mark.parametrize(
     "change, reason",
     [
         (lambda o, sd, ctx: ctx.update(config=FP32_MODE), "use_precision_aware_optimizer is not set"),
-        (lambda o, sd, ctx: o.register_load_state_dict_post_hook(lambda opt: None), "post-hook"),
         (lambda o, sd, ctx: o.name_to_dtype_map.update(exp_avg=torch.float16), "only BF16 moments"),
         (
             lambda o, sd, ctx: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"].float()),
@@ -132,25 +153,37 @@ def test_adoption_equals_te_loader(mode: str) -> None:
             "parameter 2: master_param is torch.float32, not torch.int16",
         ),
     ],
-    ids=["FP32 owner", "post-hook", "FP16 moments", "FP32 incoming moment", "missing master", "master not int16"],
+    ids=["FP32 owner", "FP16 moments", "FP32 incoming moment", "missing master", "master not int16"],
 )
 def test_declines(change: Any, reason: str) -> None:
     optimizer = _optimizer(**MODES["BF16 params, master remainders"])
     state_dict = _scaffold(**MODES["BF16 params, master remainders"])
     context_kwargs = _context_kwargs()
     change(optimizer, state_dict, context_kwargs)
-    context = StateAdoptionContext(optimizer, state_dict, **context_kwargs)
+    context = StateAdoptionContext(optimizer=optimizer, state_dict=state_dict, **context_kwargs)
     answer = assert_check_is_side_effect_free(_adopter(), context)
     assert answer is not None and reason in answer, answer
 
 
-def test_installed_plugin_is_discovered_through_its_entry_point() -> None:
+def _installed_distribution() -> Any:
     try:
-        distribution("mcore-te-precision-aware-adopter")
+        return distribution(DISTRIBUTION)
     except PackageNotFoundError:
         pytest.skip("the plugin is not installed (pip install examples/te-precision-aware-adopter)")
-    names = [adopter.name for adopter in _StateAdopterRegistry().registrations()]
-    assert names == ["te_fused_adam_precision_aware"]
+
+
+def test_installed_plugin_is_discovered_through_its_entry_point() -> None:
+    installed = _installed_distribution()
+    registrations = StateAdopterRegistry().registrations()  # no built-in adopters
+    assert [r.name for r in registrations] == [ADOPTER_NAME]
+    assert isinstance(registrations[0].adopter, TEFusedAdamPrecisionAwareStateAdopter)
+    assert registrations[0].origin == (
+        f"entry point {ADOPTER_NAME} = {PACKAGE}:TEFusedAdamPrecisionAwareStateAdopter "
+        f"({DISTRIBUTION} {installed.version})"
+    )
+    # In the process-wide registry it comes after the built-in FP32 adopter.
+    names = [r.name for r in registered_state_adopters()]
+    assert names.index("te_fused_adam_fp32") < names.index(ADOPTER_NAME)
 
 
 # --- Payload pass: MCore offers FusedAdam's own state_dict() (FP32 copies of BF16 moments) ---
@@ -170,7 +203,7 @@ def _loaded(mode: str, seed: int = 1) -> FusedAdamStandIn:
 
 
 def _payload_context(optimizer: FusedAdamStandIn, state_dict: Dict[str, Any]) -> StateAdoptionContext:
-    return StateAdoptionContext(optimizer, state_dict, **_context_kwargs())
+    return StateAdoptionContext(optimizer=optimizer, state_dict=state_dict, **_context_kwargs())
 
 
 def _with_bf16_bits(optimizer: FusedAdamStandIn, bits: List[int]) -> FusedAdamStandIn:
@@ -203,7 +236,7 @@ def test_payload_pass_loads_into_the_held_state_as_te_loader_would(mode: str, pa
         allocations.append(made[-1].allocations)
         return made[-1]
 
-    avoided = assert_adoption_matches_own_loader(
+    outcome = assert_adoption_matches_own_loader(
         _adopter(), make_optimizer, lambda: PAYLOADS[payload](made, mode), _context_kwargs()
     )
     adopted, by_te = made[0], made[-1]
@@ -211,7 +244,9 @@ def test_payload_pass_loads_into_the_held_state_as_te_loader_would(mode: str, pa
     assert by_te.allocations > allocations[-1]  # TE's loader re-allocated every tensor
     for param, entries in held[0].items():  # BF16 moments stored into the held tensors
         assert all(adopted.state[param][key] is entries[key] for key in ("exp_avg", "exp_avg_sq"))
-    assert avoided == sum(t.nbytes for entries in held[0].values() for t in entries.values())
+    # Measured by MCore's loader: every tensor of the resulting state existed before the call.
+    held_bytes = sum(t.nbytes for entries in held[0].values() for t in entries.values())
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (held_bytes, 0)
     if payload.startswith("NaN"):
         first = adopted.state[adopted.param_groups[0]["params"][0]]["exp_avg"].view(torch.int16)
         assert first[2:4].tolist() == [0x7F80, -0x8000]  # inf and -0.0 kept; NaNs as TE stores them
@@ -291,9 +326,12 @@ class Owner:
         self.is_stub_optimizer = False
 
 
-def _registry() -> _StateAdopterRegistry:
-    registry = _StateAdopterRegistry(entry_point_group=None)
+def _registry(outcomes: Optional[List[StateAdoptionOutcome]] = None) -> StateAdopterRegistry:
+    """An isolated registry holding only this adopter; ``outcomes`` receives its outcomes."""
+    registry = StateAdopterRegistry(entry_point_group=None)
     registry.register(_adopter())
+    if outcomes is not None:
+        registry.register_outcome_hook(outcomes.append)
     return registry
 
 
@@ -310,9 +348,10 @@ def _bits(optimizer: FusedAdamStandIn) -> List[List[int]]:
 def test_export_supplies_the_held_tensors_and_te_param_groups(mode: str) -> None:
     optimizer = _loaded(mode)
     held = {p: dict(s) for p, s in optimizer.state.items()}
-    context = StateExportContext(optimizer, **_context_kwargs())
+    context = StateExportContext(optimizer=optimizer, **_context_kwargs())
     assert _adopter().export_decline_reason(context) is None
-    exported, avoided = _adopter().export_state_dict(context)
+    exported = _adopter().export_state_dict(context)
+    assert exported_state_dict_decline_reason(optimizer, exported) is None  # MCore's check
     by_te = optimizer.state_dict()
     assert exported["param_groups"] == by_te["param_groups"]
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -321,7 +360,19 @@ def test_export_supplies_the_held_tensors_and_te_param_groups(mode: str) -> None
         assert exported["state"][index] == held[param] and exported["state"][index] is not optimizer.state[param]
         assert all(exported["state"][index][k] is held[param][k] for k in held[param])
     assert {p: dict(s) for p, s in optimizer.state.items()} == held
-    assert avoided == sum(4 * t.numel() for s in held.values() for t in s.values() if t.dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_export_matches_te_state_dict_and_is_measured_as_the_held_state(mode: str) -> None:
+    """The conformance helper: the export passes MCore's check against the held state, changes
+    nothing, and loads (with TE's loader) to the same bits as TE's own state_dict()."""
+    outcome = assert_export_matches_own_state_dict(
+        _adopter(), lambda: _loaded(mode), _context_kwargs()
+    )
+    optimizer = _loaded(mode)
+    held_bytes = sum(t.nbytes for s in optimizer.state.values() for t in s.values())
+    assert outcome.adopter == ADOPTER_NAME and outcome.fallback_reason is None
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (held_bytes, 0)
 
 
 @pytest.mark.parametrize("nan_payloads", [False, True], ids=["values", "NaN payloads"])
@@ -337,15 +388,16 @@ def test_exported_state_loads_to_te_bits_through_either_loader(mode: str, nan_pa
 
     held = [t for s in through_plugin.state.values() for t in s.values()]
     allocations = through_plugin.allocations
-    exported = _export_inner_state(Owner(through_plugin), _registry())
-    outcome = _load_inner_state(Owner(through_plugin), exported, _registry())
+    exported = export_inner_optimizer_state_dict(Owner(through_plugin), registry=_registry())
+    outcome = load_inner_optimizer_state_dict(Owner(through_plugin), exported, registry=_registry())
     assert outcome.adopter == "te_fused_adam_precision_aware"
     assert through_plugin.allocations == allocations  # no new state
     assert [t for s in through_plugin.state.values() for t in s.values()] == held
     assert all(a is b for a, b in zip((t for s in through_plugin.state.values() for t in s.values()), held))
     assert _bits(through_plugin) == _bits(upstream)
 
-    through_te.load_state_dict(_export_inner_state(Owner(through_te), _registry()))  # adoption off
+    # TE's loader (adoption off) on the plugin's export
+    through_te.load_state_dict(export_inner_optimizer_state_dict(Owner(through_te), registry=_registry()))
     assert _bits(through_te) == _bits(upstream)
     for optimizer in made[1:]:
         assert [g["step"] for g in optimizer.param_groups] == [g["step"] for g in through_plugin.param_groups]
@@ -371,17 +423,154 @@ def test_export_declines(change: Any, reason: str) -> None:
     optimizer = _loaded("BF16 params, master remainders")
     context_kwargs = _context_kwargs()
     change(optimizer, context_kwargs)
-    answer = _adopter().export_decline_reason(StateExportContext(optimizer, **context_kwargs))
+    answer = _adopter().export_decline_reason(StateExportContext(optimizer=optimizer, **context_kwargs))
     assert answer is not None and reason in answer, answer
 
 
 def test_the_loader_falls_back_to_te_state_dict_when_the_export_declines() -> None:
     optimizer = _loaded("BF16 params, master remainders")
     optimizer._scales[optimizer.param_groups[0]["params"][0]]["exp_avg"].fill_(2.0)
-    exported = _export_inner_state(Owner(optimizer), _registry())
+    outcomes: List[StateAdoptionOutcome] = []
+    exported = export_inner_optimizer_state_dict(Owner(optimizer), registry=_registry(outcomes))
+    assert [(o.adopter, o.fallback_reason) for o in outcomes] == [(None, "every state exporter declined")]
     by_te = optimizer.state_dict()
     assert all(
         t.dtype != torch.bfloat16 for entry in exported["state"].values() for t in entry.values()
     )  # TE's FP32 copies
     pairs = [(a, b) for e, f in zip(exported["state"].values(), by_te["state"].values()) for a, b in zip(e.values(), f.values())]
     assert pairs and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs)
+
+
+# --- The rules MCore's loader enforces for every adopter (the plugin no longer checks them) ---
+
+
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_an_optimizer_with_a_load_hook_gets_te_loader_and_each_hook_runs_once(kind: str) -> None:
+    optimizer = _optimizer(**MODES["BF16 params, master remainders"])
+    calls: List[str] = []
+    if kind == "pre":
+        optimizer.register_load_state_dict_pre_hook(lambda opt, sd: calls.append("pre"))
+    else:
+        optimizer.register_load_state_dict_post_hook(lambda opt: calls.append("post"))
+    scaffold = _scaffold(**MODES["BF16 params, master remainders"])
+    context = StateAdoptionContext(optimizer=optimizer, state_dict=scaffold, **_context_kwargs())
+    assert _adopter().decline_reason(context) is None  # the plugin itself would accept
+    outcome = load_inner_optimizer_state_dict(Owner(optimizer), scaffold, registry=_registry())
+    assert outcome.adopter is None and outcome.declines == ()  # not even asked
+    assert outcome.method == "FusedAdamStandIn.load_state_dict"
+    assert f"{kind}-hook" in (outcome.fallback_reason or "")
+    assert calls == [kind]
+    assert outcome.allocated_bytes > 0 and optimizer.allocations > 0  # TE's loader re-allocated
+
+
+def test_an_optimizer_with_a_state_dict_hook_gets_te_state_dict() -> None:
+    optimizer = _loaded("BF16 params, master remainders")
+    calls: List[str] = []
+    optimizer.register_state_dict_post_hook(lambda opt, sd: calls.append("post") or sd)
+    outcomes: List[StateAdoptionOutcome] = []
+    exported = export_inner_optimizer_state_dict(Owner(optimizer), registry=_registry(outcomes))
+    assert [o.adopter for o in outcomes] == [None] and calls == ["post"]
+    assert "post-hook" in (outcomes[0].fallback_reason or "")
+    assert all(t.dtype != torch.bfloat16 for e in exported["state"].values() for t in e.values())
+
+
+# --- Hole 9: against plain upstream megatron-core the plugin must fail loudly ---
+
+
+def _pyproject() -> Dict[str, Any]:
+    path = PLUGIN_ROOT / "pyproject.toml"
+    if not path.is_file():  # e.g. a copy of the tests alone (mutation testing)
+        pytest.skip(f"{path} is not here")
+    return tomllib.loads(path.read_text())
+
+
+def _pinned_requirement() -> Requirement:
+    (requirement,) = [
+        Requirement(d)
+        for d in _pyproject()["project"]["dependencies"]
+        if Requirement(d).name == "megatron-core"
+    ]
+    return requirement
+
+
+def test_the_pinned_requirement_is_not_satisfied_by_plain_upstream() -> None:
+    """Hole 9: ``megatron-core>=0.16.1`` was satisfied by plain upstream, where the entry point
+    never loads; the exact pin is satisfied only by the build the plugin is tested with."""
+    specifier = _pinned_requirement().specifier
+    assert not specifier.contains("0.19.2")  # plain upstream: pip finds no matching distribution
+    assert not specifier.contains("0.19.2", prereleases=True)
+    for other in ("0.16.1", "0.18.2+stateadoption", "0.19.3", "0.20.0+stateadoption"):
+        assert not specifier.contains(other), other
+    assert specifier.contains("0.19.2+stateadoption")
+    assert _pyproject()["project"]["version"] == "0.3.0"
+
+
+def test_the_installed_plugin_is_this_checkout_pinned_to_the_installed_build() -> None:
+    """Hole 9: the tests run against the installed plugin; it must be this source, and the
+    megatron-core it runs with must be the build it pins."""
+    installed = _installed_distribution()
+    assert installed.version == _pyproject()["project"]["version"]
+    assert [Requirement(r) for r in installed.requires or []] == [_pinned_requirement()]
+    assert _pinned_requirement().specifier.contains(distribution("megatron-core").version)
+    spec = importlib.util.find_spec(PACKAGE)
+    assert spec is not None and spec.origin is not None
+    imported = Path(spec.origin).parent
+    for source in sorted((PLUGIN_ROOT / "src" / PACKAGE).glob("*.py")):
+        assert (imported / source.name).read_text() == source.read_text(), (
+            f"the installed {source.name} is not this checkout's: pip install "
+            "examples/te-precision-aware-adopter"
+        )
+
+
+def _import_plugin_in_subprocess(site: Path) -> "subprocess.CompletedProcess[str]":
+    """Import the plugin in a fresh interpreter whose path starts with ``site``.
+
+    ``-P`` keeps the current directory (a checkout holds megatron/) off the path; ``-s``
+    keeps the user site out. ``site`` comes before site-packages, so a megatron package in
+    it shadows the installed megatron-core.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = str(site)
+    return subprocess.run(
+        [sys.executable, "-P", "-s", "-c", f"import {PACKAGE} as p; print(p.__file__)"],
+        cwd=site,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def plugin_copy(tmp_path: Path) -> Path:
+    """A folder holding a copy of the plugin package (the one these tests import)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    assert spec is not None and spec.origin is not None
+    site = tmp_path / "site"
+    shutil.copytree(Path(spec.origin).parent, site / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    return site
+
+
+def test_importing_the_plugin_against_plain_upstream_raises_a_clear_import_error(plugin_copy: Path) -> None:
+    """Hole 9: with a megatron-core that has no state-adoption subsystem (plain upstream 0.19.2,
+    faked here as a megatron package in front of the installed one) the plugin's import fails,
+    naming the missing subsystem, instead of the plugin silently doing nothing."""
+    for package in ("megatron", "megatron/core", "megatron/core/optimizer"):
+        (plugin_copy / package).mkdir(parents=True, exist_ok=True)
+        (plugin_copy / package / "__init__.py").write_text('"""Plain upstream: no state_adoption."""\n')
+    dist_info = plugin_copy / "megatron_core-0.19.2.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.19.2\n")
+    result = _import_plugin_in_subprocess(plugin_copy)
+    assert result.returncode != 0, result.stdout
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ImportError: "), result.stderr
+    assert "megatron.core.optimizer.state_adoption" in last_line
+    assert "megatron-core 0.19.2 is installed" in last_line
+
+
+def test_the_same_copy_imports_against_the_state_adoption_build(plugin_copy: Path) -> None:
+    """The control for the test above: only the faked upstream package made the import fail."""
+    result = _import_plugin_in_subprocess(plugin_copy)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(plugin_copy / PACKAGE / "__init__.py")

@@ -22,12 +22,14 @@ and TE's ``FusedAdam.load_state_dict`` rebuilds the whole state both times:
   (see ``held_state``): the same bits, no new state.
 
 Anything it cannot prove equal to TE's result is declined: FP16/FP8 moments (TE rescales
-them), non-FP32 master weights, DTensor or quantized parameters, load-state-dict hooks, a
-held state TE would lay out differently, incoming tensors overlapping held ones, and every
-non-precision-aware owner (the default FP32 adopter handles that).
+them), non-FP32 master weights, DTensor or quantized parameters, a held state TE would lay out
+differently, incoming tensors overlapping held ones, and every non-precision-aware owner (the
+default FP32 adopter handles that). An optimizer with ``load_state_dict``/``state_dict`` hooks
+or with such a method set on the instance never reaches it: MCore's loader runs the
+optimizer's own method then, so every hook runs exactly as often as upstream.
 """
 
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 
@@ -37,7 +39,6 @@ from megatron.core.optimizer.state_adoption.validation import (
     ExpectedState,
     first_decline_reason,
     incoming_state_decline_reason,
-    load_hooks_decline_reason,
     owner_decline_reason,
     param_state_pairs,
 )
@@ -78,13 +79,9 @@ class TEFusedAdamPrecisionAwareStateAdopter:
         Returns:
             Optional[str]: None to accept, otherwise why TE's loader should run.
         """
-        reason = first_decline_reason(
-            (
-                lambda: self._mode_decline_reason(context),
-                # Post-hooks are declined too: adopt() runs PyTorch's loader without the state.
-                lambda: load_hooks_decline_reason(context.optimizer, allow_post_hooks=False),
-            )
-        )
+        # Optimizers with load_state_dict hooks, or with a load_state_dict set on the instance,
+        # never reach an adopter: MCore's loader runs their own load_state_dict.
+        reason = self._mode_decline_reason(context)
         if reason is not None:
             return reason
         held_reason = self._held_decline_reason(context)
@@ -116,26 +113,26 @@ class TEFusedAdamPrecisionAwareStateAdopter:
             )
         )
 
-    def export_state_dict(self, context: StateExportContext) -> Tuple[Dict[str, Any], int]:
+    def export_state_dict(self, context: StateExportContext) -> Dict[str, Any]:
         """Return PyTorch's state dict of the FusedAdam: the held tensors, no FP32 copies.
+
+        MCore checks it against the held state and measures what it holds by reference.
 
         Args:
             context (StateExportContext): a context this adopter accepted.
 
         Returns:
-            Tuple[Dict[str, Any], int]: the state dict, and the bytes of FP32 copies TE's
-            ``state_dict()`` would have made.
+            Dict[str, Any]: the ``{"state", "param_groups"}`` dict.
         """
         return state_dict_of_held_tensors(context.optimizer)
 
-    def adopt(self, context: StateAdoptionContext) -> int:
+    def adopt(self, context: StateAdoptionContext) -> None:
         """Install the scaffold by reference, or store the payload into the held state.
+
+        MCore measures afterwards which state tensors existed before the call.
 
         Args:
             context (StateAdoptionContext): a context this adopter accepted.
-
-        Returns:
-            int: bytes of state TE's loader would have allocated anew.
         """
         optimizer: Any = context.optimizer  # TE FusedAdam (checked); its attributes are untyped
         pairs = list(param_state_pairs(optimizer, context.state_dict))
@@ -145,7 +142,6 @@ class TEFusedAdamPrecisionAwareStateAdopter:
         # installs the param groups here (hyper-parameters and TE's per-group 'step').
         groups = list(context.state_dict["param_groups"])
         torch.optim.Optimizer.load_state_dict(optimizer, {"state": {}, "param_groups": groups})
-        installed_bytes = 0
         for _, param, incoming in pairs:
             if adopts_scaffold:
                 keeps_remainders = (
@@ -154,11 +150,9 @@ class TEFusedAdamPrecisionAwareStateAdopter:
                 optimizer.state[param] = {}
                 optimizer.initialize_state(param, keeps_remainders)
                 optimizer.state[param].update(incoming)
-                installed_bytes += sum(t.nbytes for t in incoming.values())
             else:
                 optimizer.state[param] = held[param]
-                installed_bytes += load_into_held_state(held[param], incoming)
-        return installed_bytes
+                load_into_held_state(held[param], incoming)
 
     def _mode_decline_reason(
         self, context: Union[StateAdoptionContext, StateExportContext]

@@ -11,7 +11,7 @@ and this package's adopter keeps them. That holds while every BF16 state's scale
 is checked.
 """
 
-from typing import Any, Callable, Dict, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Set
 
 import torch
 
@@ -53,23 +53,17 @@ def held_state_export_decline_reason(
     return None
 
 
-def state_dict_of_held_tensors(optimizer: Any) -> Tuple[Dict[str, Any], int]:
-    """PyTorch's state dict of ``optimizer`` (held tensors by reference) and the bytes saved.
+def state_dict_of_held_tensors(optimizer: Any) -> Dict[str, Any]:
+    """PyTorch's state dict of ``optimizer``: its param groups and the held tensors themselves.
 
     Args:
         optimizer (Any): a FusedAdam accepted by :func:`held_state_export_decline_reason`.
 
     Returns:
-        Tuple[Dict[str, Any], int]: the state dict, and the bytes of the FP32 copies TE's
-        ``state_dict()`` would have allocated (4 bytes per element of every BF16 state).
+        Dict[str, Any]: the state dict; each parameter's entry is a new dict holding the held
+        tensors (TE's ``state_dict()`` would have made FP32 copies of the BF16 ones).
     """
     state_dict: Dict[str, Any] = torch.optim.Optimizer.state_dict(optimizer)
     # PyTorch packs the optimizer's own per-parameter dicts; callers get their own copies.
     state_dict["state"] = {key: dict(entry) for key, entry in state_dict["state"].items()}
-    copied_bytes = sum(
-        4 * tensor.numel()
-        for entry in state_dict["state"].values()
-        for tensor in entry.values()
-        if tensor.dtype == torch.bfloat16
-    )
-    return state_dict, copied_bytes
+    return state_dict

@@ -37,7 +37,7 @@ def storage_ptr(tensor: torch.Tensor) -> int:
 
 def load_into_held_state(
     held: Dict[str, torch.Tensor], incoming: Mapping[str, torch.Tensor]
-) -> int:
+) -> None:
     """Load one parameter's accepted payload: convert into BF16 states, install the rest.
 
     An incoming tensor of the held dtype that is not the held tensor (FP32 master weights,
@@ -47,16 +47,12 @@ def load_into_held_state(
     Args:
         held (Dict[str, torch.Tensor]): the parameter's state dict, updated in place.
         incoming (Mapping[str, torch.Tensor]): its checked incoming state.
-
-    Returns:
-        int: bytes of state TE's loader would have allocated for this parameter.
     """
     for key, value in incoming.items():
         if value is not held[key] and value.dtype == held[key].dtype:
             held[key] = value
         else:
             store_as_te_loads(value, held[key])
-    return sum(tensor.nbytes for tensor in held.values())
 
 
 def incoming_dtype_for(held_dtype: torch.dtype) -> torch.dtype:

@@ -12,7 +12,17 @@ would return converted copies.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, Self, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Mapping,
+    Optional,
+    Protocol,
+    Type,
+    TypeVar,
+    runtime_checkable,
+)
 
 import torch
 
@@ -23,6 +33,8 @@ if TYPE_CHECKING:
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 __all__ = ["StateAdopter", "StateAdoptionContext", "StateExportContext", "StateExporter"]
+
+_Context = TypeVar("_Context", bound="StateExportContext")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +56,7 @@ class StateExportContext:
     is_stub_optimizer: bool = False
 
     @classmethod
-    def for_owner(cls, owner: Any, **fields: Any) -> Self:
+    def for_owner(cls: Type[_Context], owner: Any, **fields: Any) -> _Context:
         """Build the context for the inner optimizer of ``owner``.
 
         Args:
@@ -54,7 +66,8 @@ class StateExportContext:
             **fields (Any): the fields of a subclass, e.g. ``state_dict``.
 
         Returns:
-            Self: the context handed to every adopter or exporter.
+            StateExportContext: the context (of the class it is called on) handed to every
+            adopter or exporter.
         """
         return cls(
             optimizer=owner.optimizer,

@@ -20,8 +20,23 @@ reference and newly allocated, measured from storage identity, also when the own
 
 import logging
 import os
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+    Union,
+)
 
 import torch
 
@@ -30,7 +45,7 @@ from megatron.core.utils import log_single_rank
 from .adopter import StateAdoptionContext, StateExportContext, StateExporter
 from .outcome import StateAdoptionOutcome
 from .registry import StateAdopterRegistration, StateAdopterRegistry, default_registry
-from .validation import exported_state_dict_decline_reason
+from .validation import exported_state_dict_decline_reason, installed_state_decline_reason
 
 __all__ = ["export_inner_optimizer_state_dict", "load_inner_optimizer_state_dict"]
 
@@ -104,7 +119,9 @@ def _disabled_adopter_names(registrations: Iterable[StateAdopterRegistration]) -
     return names
 
 
-def _own_method_reason(owner: Any, optimizer: torch.optim.Optimizer, hook_point: str) -> Optional[str]:
+def _own_method_reason(
+    owner: Any, optimizer: torch.optim.Optimizer, hook_point: str
+) -> Optional[str]:
     """Why the optimizer's own method must run without consulting adopters, or None.
 
     Hooks are read fail-safe: registries that cannot be inspected count as registered hooks.
@@ -139,16 +156,21 @@ def _describe(optimizer: torch.optim.Optimizer) -> str:
 
 
 def _state_tensors(state: Any) -> List[torch.Tensor]:
-    """Every tensor value of a ``{key: {name: value}}`` state mapping (local shards of DTensors)."""
+    """Every tensor value of a ``{key: {name: value}}`` state mapping."""
     tensors = []
     if isinstance(state, Mapping):
         for entry in state.values():
             if isinstance(entry, Mapping):
                 for value in entry.values():
                     if isinstance(value, torch.Tensor):
-                        to_local = getattr(value, "to_local", None)
-                        tensors.append(to_local() if callable(to_local) else value)
+                        tensors.append(value)
     return tensors
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or a DTensor's local shard."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def _storage(tensor: torch.Tensor) -> Optional[int]:
@@ -159,24 +181,48 @@ def _storage(tensor: torch.Tensor) -> Optional[int]:
         return None
 
 
-def _existing_storages(*states: Any) -> Set[int]:
-    """The storages held by the given state mappings before a call."""
-    return {
-        storage
-        for state in states
-        for tensor in _state_tensors(state)
-        if (storage := _storage(tensor)) is not None
-    }
+_Existing = List[Tuple[Callable[[], Optional[torch.Tensor]], int]]
 
 
-def _measure(state: Any, existing: Set[int]) -> Tuple[int, int]:
+def _strong_reference(tensor: torch.Tensor) -> Callable[[], Optional[torch.Tensor]]:
+    """A callable returning ``tensor``, in place of a weak reference to it."""
+    return lambda: tensor
+
+
+def _existing_storages(*states: Any) -> _Existing:
+    """The state tensors of the given state mappings before a call, each with its storage.
+
+    They are held weakly, so that the call frees what upstream's call frees. A freed storage's
+    address can be given to a tensor the call allocates, so :func:`_measure` counts an address
+    as existing only while a tensor that held it before the call is alive and still holds it.
+    """
+    existing: _Existing = []
+    for state in states:
+        for tensor in _state_tensors(state):
+            storage = _storage(_local(tensor))
+            if storage is not None:
+                reference: Callable[[], Optional[torch.Tensor]]
+                try:
+                    reference = weakref.ref(tensor)
+                except TypeError:  # a tensor type without weak references is held strongly
+                    reference = _strong_reference(tensor)
+                existing.append((reference, storage))
+    return existing
+
+
+def _measure(state: Any, existing: _Existing) -> Tuple[int, int]:
     """(bytes in tensors whose storage existed before, bytes in new tensors) of ``state``."""
+    alive = set()
+    for reference, address in existing:
+        held = reference()
+        if held is not None and _storage(_local(held)) == address:
+            alive.add(address)
     reused = allocated = 0
-    for tensor in _state_tensors(state):
+    for tensor in map(_local, _state_tensors(state)):
         storage = _storage(tensor)
         if storage is None:
             continue
-        if storage in existing:
+        if storage in alive:
             reused += tensor.nbytes
         else:
             allocated += tensor.nbytes
@@ -223,6 +269,32 @@ class _OptimizerSnapshot:
             group["params"][:] = params
         optimizer.state = self.state
         optimizer.param_groups = self.param_groups
+
+    def change(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
+        """What differs in ``optimizer``'s containers from the capture (by identity), or None."""
+        state, groups = optimizer.state, optimizer.param_groups
+        if state is not self.state or len(state) != len(self.state_entries):
+            return "its state changed"
+        for key, value, entries in self.state_entries:
+            current = state.get(key)
+            if current is not value or current.keys() != entries.keys():
+                return "its state changed"
+            if any(current[name] is not held for name, held in entries.items()):
+                return "its state changed"
+        if len(groups) != len(self.param_groups):
+            return "its param groups changed"
+        for group, captured, entries, params in zip(
+            groups, self.param_groups, self.param_group_entries, self.param_lists
+        ):
+            if group is not captured or group.keys() != entries.keys():
+                return "its param groups changed"
+            if any(group[key] is not value for key, value in entries.items() if key != "params"):
+                return "its param groups changed"
+            if len(group["params"]) != len(params) or any(
+                a is not b for a, b in zip(group["params"], params)
+            ):
+                return "its param groups changed"
+        return None
 
 
 def _copy_containers(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
@@ -286,7 +358,7 @@ def _finish(registry: StateAdopterRegistry, outcome: StateAdoptionOutcome) -> St
             logger,
             logging.WARNING,
             "%s raised for %s: %s",
-            outcome.method,
+            outcome.method or "An optimizer state adopter",
             outcome.optimizer,
             outcome.error,
         )
@@ -339,7 +411,7 @@ def _run_own_method(
     optimizer: torch.optim.Optimizer,
     hook_point: str,
     argument: Optional[Dict[str, Any]],
-    existing: Set[int],
+    existing: _Existing,
     declines: List[Tuple[str, str]],
     reason: str,
 ) -> Tuple[StateAdoptionOutcome, Any]:
@@ -361,26 +433,36 @@ def _run_own_method(
             result = state_dict = optimizer.state_dict()
             state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
     except BaseException as error:  # recorded, then re-raised unchanged
-        _finish(
-            registry,
-            replace(outcome, error=f"{type(error).__name__}: {error}"),
-        )
+        _finish(registry, replace(outcome, error=f"{type(error).__name__}: {error}"))
         raise
     reused, allocated = _measure(state, existing)
-    return _finish(registry, replace(outcome, reused_bytes=reused, allocated_bytes=allocated)), result
+    return (
+        _finish(registry, replace(outcome, reused_bytes=reused, allocated_bytes=allocated)),
+        result,
+    )
 
 
-def _install(registration: StateAdopterRegistration, context: StateAdoptionContext) -> Optional[str]:
-    """Let the adopter install the state; on any failure roll back and say why."""
+def _install(
+    registration: StateAdopterRegistration,
+    context: StateAdoptionContext,
+    pristine: Mapping[str, Any],
+) -> Optional[str]:
+    """Let the adopter install the state and check it against ``pristine`` (the state dict's
+    containers as they were before the call); on any failure roll back and say why."""
     snapshot = _OptimizerSnapshot.capture(context.optimizer)
     try:
         registration.adopter.adopt(context)
-    except Exception as error:
+        problem = installed_state_decline_reason(context.optimizer, pristine, snapshot.param_lists)
+        if problem is not None:
+            raise RuntimeError(f"the installed state does not match the state dict: {problem}")
+    except BaseException as error:
+        snapshot.restore(context.optimizer)
+        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: restored, re-raised
+            raise
         # Rolling back is safer than raising: the adopter was only offered a load the own
         # loader can do, no hook has run (optimizers with load hooks never reach an
         # adopter), and the containers are restored exactly, so the own loader then does
         # what upstream does. Raising would fail a resume that upstream completes.
-        snapshot.restore(context.optimizer)
         logger.warning(
             "Optimizer state adopter %r failed while installing the state (%s: %s); the "
             "optimizer was restored and %s.load_state_dict loads the state instead",
@@ -401,13 +483,18 @@ def _export(
     snapshot = _OptimizerSnapshot.capture(optimizer)
     try:
         exported: Any = exporter.export_state_dict(context)
+        problem = snapshot.change(optimizer)
+        if problem is not None:
+            raise RuntimeError(f"exporting changed the optimizer: {problem}")
         problem = exported_state_dict_decline_reason(optimizer, exported)
         if problem is not None:
             raise ValueError(f"the exported state dict does not match the optimizer: {problem}")
-    except Exception as error:
+    except BaseException as error:
         # Falling back is safer than raising for the same reasons as in _install; an exporter
         # must change nothing, and the restore undoes one that did.
         snapshot.restore(optimizer)
+        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: restored, re-raised
+            raise
         logger.warning(
             "Optimizer state adopter %r failed to export the state (%s: %s); %s.state_dict is "
             "used instead",
@@ -418,6 +505,118 @@ def _export(
         )
         return None, f"adopter {registration.name!r} failed to export the state"
     return exported, None
+
+
+@contextmanager
+def _outcome_if_interrupted(
+    registry: StateAdopterRegistry,
+    hook_point: str,
+    optimizer: torch.optim.Optimizer,
+    declines: List[Tuple[str, str]],
+) -> Iterator[None]:
+    """End the call in an outcome also when consulting the adopters is interrupted.
+
+    Adopters' exceptions are declines or rollbacks; what escapes is a ``KeyboardInterrupt``,
+    ``SystemExit`` or the like (the optimizer already restored), recorded and re-raised.
+    """
+    try:
+        yield
+    except BaseException as error:
+        _finish(
+            registry,
+            StateAdoptionOutcome(
+                hook_point,
+                _describe(optimizer),
+                None,
+                declines=tuple(declines),
+                fallback_reason="interrupted while consulting the adopters",
+                error=f"{type(error).__name__}: {error}",
+            ),
+        )
+        raise
+
+
+def _adopted(
+    registry: StateAdopterRegistry,
+    owner: Any,
+    state_dict: Dict[str, Any],
+    existing: _Existing,
+    declines: List[Tuple[str, str]],
+) -> Tuple[Optional[StateAdoptionOutcome], str, Dict[str, Any]]:
+    """Offer the load to the adopters in order; the first that accepts installs the state.
+
+    Returns:
+        (the outcome, if an adopter installed the state; else why not, and the state dict the
+        own loader gets: the caller's, or after a failed install a copy of its containers).
+    """
+    optimizer = owner.optimizer
+    registrations = registry.registrations()
+    disabled = _disabled_adopter_names(registrations)
+    context = StateAdoptionContext.for_owner(owner, state_dict=state_dict)
+    for registration in registrations:
+        decline = _ask(registration, registration.adopter.decline_reason, context, disabled)
+        if decline is None:
+            try:
+                pristine = _copy_containers(state_dict)
+            except Exception as error:  # malformed input: the own loader reports it
+                decline = f"the state dict cannot be copied for a rollback: {error!r}"
+        if decline is not None:
+            declines.append((registration.name, decline))
+            continue
+        failure = _install(registration, context, pristine)
+        if failure is not None:
+            return None, failure, pristine
+        reused, allocated = _measure(optimizer.state, existing)
+        outcome = StateAdoptionOutcome(
+            _LOAD,
+            _describe(optimizer),
+            registration.name,
+            reused_bytes=reused,
+            allocated_bytes=allocated,
+            declines=tuple(declines),
+        )
+        return _finish(registry, outcome), "", state_dict
+    return None, "every adopter declined" if declines else "no adopter is registered", state_dict
+
+
+def _exported_by_adopter(
+    registry: StateAdopterRegistry, owner: Any, existing: _Existing, declines: List[Tuple[str, str]]
+) -> Tuple[Optional[Dict[str, Any]], str]:
+    """Offer the export to the exporters in order; the first that accepts supplies it.
+
+    Returns:
+        (the checked export, if an exporter supplied one; else why not).
+    """
+    optimizer = owner.optimizer
+    registrations = registry.registrations()
+    disabled = _disabled_adopter_names(registrations)
+    context = StateExportContext.for_owner(owner)
+    for registration in registrations:
+        exporter = registration.adopter
+        if not isinstance(exporter, StateExporter):
+            continue
+        decline = _ask(registration, exporter.export_decline_reason, context, disabled)
+        if decline is not None:
+            declines.append((registration.name, decline))
+            continue
+        exported, failure = _export(registration, exporter, context)
+        if exported is None:
+            assert failure is not None
+            return None, failure
+        reused, allocated = _measure(exported["state"], existing)
+        outcome = StateAdoptionOutcome(
+            _EXPORT,
+            _describe(optimizer),
+            registration.name,
+            reused_bytes=reused,
+            allocated_bytes=allocated,
+            declines=tuple(declines),
+        )
+        _finish(registry, outcome)
+        return exported, ""
+    if declines:
+        return None, "every state exporter declined"
+    return None, "no registered adopter is a state exporter"
 
 
 def load_inner_optimizer_state_dict(
@@ -442,37 +641,10 @@ def load_inner_optimizer_state_dict(
     declines: List[Tuple[str, str]] = []
     reason = _own_method_reason(owner, optimizer, _LOAD)
     if reason is None:
-        registrations = registry.registrations()
-        disabled = _disabled_adopter_names(registrations)
-        context = StateAdoptionContext.for_owner(owner, state_dict=state_dict)
-        for registration in registrations:
-            decline = _ask(registration, registration.adopter.decline_reason, context, disabled)
-            if decline is None:
-                try:
-                    pristine = _copy_containers(state_dict)
-                except Exception as error:  # malformed input: the own loader reports it
-                    decline = f"the state dict cannot be copied for a rollback: {error!r}"
-            if decline is not None:
-                declines.append((registration.name, decline))
-                continue
-            reason = _install(registration, context)
-            if reason is None:
-                reused, allocated = _measure(optimizer.state, existing)
-                return _finish(
-                    registry,
-                    StateAdoptionOutcome(
-                        _LOAD,
-                        _describe(optimizer),
-                        registration.name,
-                        reused_bytes=reused,
-                        allocated_bytes=allocated,
-                        declines=tuple(declines),
-                    ),
-                )
-            state_dict = pristine
-            break
-        else:
-            reason = "every adopter declined" if declines else "no adopter is registered"
+        with _outcome_if_interrupted(registry, _LOAD, optimizer, declines):
+            outcome, reason, state_dict = _adopted(registry, owner, state_dict, existing, declines)
+        if outcome is not None:
+            return outcome
     outcome, _ = _run_own_method(registry, optimizer, _LOAD, state_dict, existing, declines, reason)
     return outcome
 
@@ -497,37 +669,10 @@ def export_inner_optimizer_state_dict(
     declines: List[Tuple[str, str]] = []
     reason = _own_method_reason(owner, optimizer, _EXPORT)
     if reason is None:
-        registrations = registry.registrations()
-        disabled = _disabled_adopter_names(registrations)
-        context = StateExportContext.for_owner(owner)
-        exporters = [r for r in registrations if isinstance(r.adopter, StateExporter)]
-        reason = "no registered adopter is a state exporter"
-        for registration in exporters:
-            exporter = registration.adopter
-            assert isinstance(exporter, StateExporter)
-            decline = _ask(registration, exporter.export_decline_reason, context, disabled)
-            if decline is not None:
-                declines.append((registration.name, decline))
-                reason = "every state exporter declined"
-                continue
-            exported, failure = _export(registration, exporter, context)
-            if exported is not None:
-                reused, allocated = _measure(exported["state"], existing)
-                _finish(
-                    registry,
-                    StateAdoptionOutcome(
-                        _EXPORT,
-                        _describe(optimizer),
-                        registration.name,
-                        reused_bytes=reused,
-                        allocated_bytes=allocated,
-                        declines=tuple(declines),
-                    ),
-                )
-                return exported
-            assert failure is not None
-            reason = failure
-            break
+        with _outcome_if_interrupted(registry, _EXPORT, optimizer, declines):
+            exported, reason = _exported_by_adopter(registry, owner, existing, declines)
+        if exported is not None:
+            return exported
     _, own = _run_own_method(registry, optimizer, _EXPORT, None, existing, declines, reason)
     own_state_dict: Dict[str, Any] = own
     return own_state_dict

@@ -21,7 +21,7 @@ import sys
 from typing import Mapping, Optional
 
 import torch
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from megatron.core.utils import get_te_version
 
@@ -139,10 +139,7 @@ class TEFusedAdamFP32StateAdopter:
             (
                 lambda: owner_decline_reason(context, precision_aware=False),
                 lambda: te_fused_adam_decline_reason(context.optimizer, self._fused_adam_class),
-                lambda: _fp32_settings_decline_reason(
-                    context.optimizer,
-                    Version(self._te_version) if self._te_version else get_te_version(),
-                ),
+                lambda: _fp32_settings_decline_reason(context.optimizer, self._te_release()),
                 lambda: incoming_state_decline_reason(
                     context.optimizer,
                     context.state_dict,
@@ -165,6 +162,13 @@ class TEFusedAdamFP32StateAdopter:
         """
         torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
 
+    def _te_release(self) -> Optional[Version]:
+        """The Transformer Engine release, or None if its version string is not a version."""
+        try:
+            return Version(self._te_version) if self._te_version is not None else get_te_version()
+        except InvalidVersion:
+            return None
+
     def _param_decline_reason(self, param: torch.Tensor) -> Optional[str]:
         """Accept plain FP32 parameters on the expected device type."""
         if type(param) not in (torch.Tensor, torch.nn.Parameter):
@@ -177,12 +181,17 @@ class TEFusedAdamFP32StateAdopter:
 
 
 def _remainders_decline_reason(
-    optimizer: torch.optim.Optimizer, te_version: Version
+    optimizer: torch.optim.Optimizer, te_version: Optional[Version]
 ) -> Optional[str]:
     """Accept ``store_param_remainders`` off, or absent in a release that has no such mode."""
     if hasattr(optimizer, "store_param_remainders"):
         return (
             "FusedAdam.store_param_remainders is set" if optimizer.store_param_remainders else None
+        )
+    if te_version is None:
+        return (
+            "FusedAdam has no 'store_param_remainders' attribute and the Transformer Engine "
+            "release is unknown"
         )
     if te_version < _FIRST_KNOWN_RELEASE:
         return (
@@ -198,7 +207,7 @@ def _remainders_decline_reason(
 
 
 def _fp32_settings_decline_reason(
-    optimizer: torch.optim.Optimizer, te_version: Version
+    optimizer: torch.optim.Optimizer, te_version: Optional[Version]
 ) -> Optional[str]:
     """Accept only FP32 moments without TE master weights or param remainders."""
     if not hasattr(optimizer, "master_weights"):

@@ -13,14 +13,29 @@ would, and that is easy to get subtly wrong:
   :func:`incoming_state_decline_reason` -- matching param groups, exact keys, dtypes, devices,
   shapes and layouts, and no shared storage, which installing tensors by reference requires;
 * :func:`exported_state_dict_decline_reason` -- an export is the optimizer's state as it holds
-  it (the loader applies it to every export).
+  it (the loader applies it to every export);
+* :func:`installed_state_decline_reason` -- what every loader leaves right (parameters in their
+  groups, the groups' hyper-parameters, state for exactly the right parameters and keys; the
+  loader applies it after every ``adopt``).
 
 The rules every adopter gets without asking (no hooks, no method set on the instance) are
 enforced by the loader, not here.
 """
 
 from itertools import chain
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+    Union,
+)
 
 import torch
 
@@ -31,6 +46,7 @@ __all__ = [
     "exported_state_dict_decline_reason",
     "first_decline_reason",
     "incoming_state_decline_reason",
+    "installed_state_decline_reason",
     "one_entry_per_param_decline_reason",
     "owner_decline_reason",
     "param_state_pairs",
@@ -289,22 +305,81 @@ def state_entry_decline_reason(
     return None
 
 
-def _same_value(exported: Any, held: Any) -> bool:
-    """Whether an exported non-state value equals the held one (tensors: same bits)."""
-    if exported is held:
+def _same_value(installed: Any, given: Any) -> bool:
+    """Whether an installed hyper-parameter equals the given one (PyTorch's loader installs deep
+    copies); tensors by their bits, objects without their own ``==`` by their type only."""
+    if installed is given:
         return True
-    if isinstance(exported, torch.Tensor) or isinstance(held, torch.Tensor):
+    if isinstance(installed, torch.Tensor) or isinstance(given, torch.Tensor):
         return (
-            isinstance(exported, torch.Tensor)
-            and isinstance(held, torch.Tensor)
-            and exported.dtype == held.dtype
-            and exported.shape == held.shape
-            and bool(torch.equal(exported.cpu(), held.cpu()))
+            isinstance(installed, torch.Tensor)
+            and isinstance(given, torch.Tensor)
+            and installed.dtype == given.dtype
+            and installed.shape == given.shape
+            and bool(torch.equal(installed.cpu(), given.cpu()))
         )
-    try:
-        return bool(exported == held) and type(exported) is type(held)
-    except Exception:  # a value without a usable == is not the held one
+    if type(installed) is not type(given):
         return False
+    if getattr(type(given), "__eq__") is getattr(object, "__eq__"):
+        return True  # a deep copy of an object without its own == is not ==, but no mistake
+    try:
+        return bool(installed == given)
+    except Exception:  # a value without a usable == is not the given one
+        return False
+
+
+def installed_state_decline_reason(
+    optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], params: List[List[Any]]
+) -> Optional[str]:
+    """Check an install against what every loader gets right (the loader runs it after each
+    ``adopt``); None if nothing is wrong.
+
+    Whatever else it does, a loader (PyTorch's, TE's) keeps the optimizer's parameters
+    (``params``, group by group) in its groups, installs every hyper-parameter of the state
+    dict's groups (TE keeps its ``step`` there), and gives state to exactly the parameters the
+    state dict has state for, paired by position as PyTorch pairs them, with no key the
+    incoming entry lacks and every key it has a value for (TE's loader skips None values).
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer after the install.
+        state_dict (Mapping[str, Any]): the installed state dict, as it was before the install.
+        params (List[List[Any]]): the optimizer's parameters before the install, per group.
+
+    Returns:
+        Optional[str]: None if the install kept these rules, otherwise the first it broke.
+    """
+    groups, state = optimizer.param_groups, optimizer.state
+    if [len(group["params"]) for group in groups] != [len(p) for p in params] or any(
+        a is not b for group, p in zip(groups, params) for a, b in zip(group["params"], p)
+    ):
+        return "the param groups do not hold the optimizer's parameters"
+    incoming, incoming_groups = state_dict["state"], state_dict["param_groups"]
+    if [len(group["params"]) for group in incoming_groups] != [len(p) for p in params]:
+        return "the state dict's param groups do not match the optimizer's"
+    for index, (group, given_group) in enumerate(zip(groups, incoming_groups)):
+        for key, value in given_group.items():
+            if key != "params" and not (key in group and _same_value(group[key], value)):
+                return f"param group {index} does not have the state dict's {key}"
+    flat = [param for p in params for param in p]
+    known = {id(param) for param in flat}
+    if any(isinstance(key, torch.Tensor) and id(key) not in known for key in state):
+        return "there is state for a tensor that is no parameter of the optimizer"
+    ids = (state_id for group in incoming_groups for state_id in group["params"])
+    for index, (state_id, param) in enumerate(zip(ids, flat)):
+        entry, given = state.get(param), incoming.get(state_id)
+        if state_id not in incoming:
+            if entry:
+                return f"parameter {index} has state, the state dict none"
+        elif not isinstance(entry, Mapping):
+            return f"parameter {index} has no state"
+        elif isinstance(given, Mapping) and not (
+            {key for key, value in given.items() if value is not None} <= set(entry) <= set(given)
+        ):
+            return (
+                f"the state of parameter {index} has keys {sorted(map(str, entry))}, the state "
+                f"dict {sorted(map(str, given))}"
+            )
+    return None
 
 
 def _is_held_tensor(exported: Any, held: torch.Tensor) -> Optional[str]:
@@ -319,11 +394,11 @@ def _is_held_tensor(exported: Any, held: torch.Tensor) -> Optional[str]:
                 f"has {attribute} {getattr(exported, attribute)}, the held state "
                 f"{getattr(held, attribute)}"
             )
-    if (
-        exported.nbytes > 0
-        and (_storage_ptr(exported), exported.storage_offset(), exported.stride())
-        != (_storage_ptr(held), held.storage_offset(), held.stride())
-    ):
+    if exported.nbytes > 0 and (
+        _storage_ptr(exported),
+        exported.storage_offset(),
+        exported.stride(),
+    ) != (_storage_ptr(held), held.storage_offset(), held.stride()):
         return "is not the held tensor (a copy, or another parameter's state)"
     return None
 

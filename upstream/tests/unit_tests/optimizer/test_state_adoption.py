@@ -4,11 +4,14 @@
 
 ``DistributedOptimizer.load_state_dict`` hands the assembled inner state to
 ``load_inner_optimizer_state_dict``: the first registered adopter that accepts installs it,
-otherwise the inner optimizer's own ``load_state_dict`` runs. The registry and fail-safety tests
-use ``torch.optim.Adam`` and run anywhere; the Transformer Engine tests need CUDA and TE.
+otherwise the inner optimizer's own ``load_state_dict`` runs. The registry, loader and
+fail-safety tests use ``torch.optim.Adam`` on CPU and an isolated ``StateAdopterRegistry``;
+the Transformer Engine tests need CUDA and TE.
 """
 
+import argparse
 import copy
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -21,14 +24,17 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from megatron.core.optimizer.state_adoption import (
+    StateAdopterRegistry,
     StateAdoptionContext,
     StateAdoptionOutcome,
+    StateExportContext,
     export_inner_optimizer_state_dict,
     load_inner_optimizer_state_dict,
     register_outcome_hook,
     register_state_adopter,
     registered_state_adopters,
 )
+from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 from tests.unit_tests.dist_checkpointing import TempNamedDir, setup_model_and_optimizer
 from tests.unit_tests.test_utilities import Utils
 
@@ -57,13 +63,26 @@ class RecordingAdopter:
         accept: whether ``decline_reason`` accepts.
         check_error: raised by ``decline_reason`` if set.
         fail_after_partial_install: install the state of one parameter, then raise.
+        copy_state: install clones of the incoming tensors instead of the tensors themselves.
+        install_nothing: return without installing anything (a broken adopter that does not
+            raise).
     """
 
-    def __init__(self, name, accept=True, check_error=None, fail_after_partial_install=False):
+    def __init__(
+        self,
+        name,
+        accept=True,
+        check_error=None,
+        fail_after_partial_install=False,
+        copy_state=False,
+        install_nothing=False,
+    ):
         self.name = name
         self.accept = accept
         self.check_error = check_error
         self.fail_after_partial_install = fail_after_partial_install
+        self.copy_state = copy_state
+        self.install_nothing = install_nothing
         self.checked = []
         self.adopted = []
 
@@ -81,13 +100,47 @@ class RecordingAdopter:
             optimizer.state[param] = {"exp_avg": torch.full_like(param, 7.0)}
             optimizer.param_groups[0]["lr"] = 123.0
             raise RuntimeError("adoption failed half-way")
-        torch.optim.Optimizer.load_state_dict(optimizer, dict(context.state_dict))
-        return 0
+        if self.install_nothing:
+            return
+        state_dict = dict(context.state_dict)
+        if self.copy_state:
+            state_dict = _independent_copy(state_dict)
+        torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
+
+
+class RecordingExporter(RecordingAdopter):
+    """A test adopter that is also a state exporter.
+
+    Args:
+        name: registry name.
+        wipe_state: export the right param groups with an empty ``state`` (a malformed export).
+    """
+
+    def __init__(self, name, wipe_state=False):
+        super().__init__(name)
+        self.wipe_state = wipe_state
+        self.exported = []
+
+    def export_decline_reason(self, context):
+        return None
+
+    def export_state_dict(self, context):
+        self.exported.append(context)
+        state_dict = torch.optim.Optimizer.state_dict(context.optimizer)
+        if self.wipe_state:
+            state_dict["state"] = {}
+        return state_dict
+
+
+@pytest.fixture
+def registry():
+    """An isolated registry: no built-in adopter, no entry-point plugins."""
+    return StateAdopterRegistry(entry_point_group=None)
 
 
 @pytest.fixture
 def register():
-    """Register adopters for one test (first by default); all are removed afterwards."""
+    """Register adopters process-wide for one test (first by default); removed afterwards."""
     handles = []
 
     def _register(adopter, prepend=True):
@@ -101,14 +154,14 @@ def register():
 
 @pytest.fixture
 def outcomes():
-    """Every outcome reported while the test runs."""
+    """Every outcome the process-wide registry reports while the test runs."""
     received = []
     handle = register_outcome_hook(received.append)
     yield received
     handle.remove()
 
 
-def _trained_adam(seed=0, device="cpu"):
+def _trained_adam(seed=0, device="cpu", steps=2):
     """A torch Adam whose param group carries the keys DistributedOptimizer matches groups by."""
     generator = torch.Generator(device=device).manual_seed(seed)
     params = [
@@ -117,7 +170,7 @@ def _trained_adam(seed=0, device="cpu"):
     ]
     group = {"params": params, **{key: None for key in param_group_identifier_keys}}
     optimizer = torch.optim.Adam([group], lr=1e-3)
-    for _ in range(2):
+    for _ in range(steps):
         for param in params:
             param.grad = torch.randn(param.shape, generator=generator, device=device)
         optimizer.step()
@@ -141,6 +194,16 @@ def _moments(optimizer):
         for param in group["params"]
         for key in ("exp_avg", "exp_avg_sq")
     ]
+
+
+def _state_bytes(state_dict):
+    """Bytes of every tensor in a state dict's ``state``."""
+    return sum(
+        value.nbytes
+        for entry in state_dict["state"].values()
+        for value in entry.values()
+        if isinstance(value, torch.Tensor)
+    )
 
 
 def _bits(tensor):
@@ -171,130 +234,315 @@ def _loads(outcomes):
     return [outcome for outcome in outcomes if outcome.hook_point == "load"]
 
 
+def _independent_copy(state_dict):
+    """The state dict with every state tensor cloned (no tensor shared with its optimizer)."""
+    result = copy.copy(state_dict)
+    result["state"] = {
+        key: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for key, entry in state_dict["state"].items()
+    }
+    result["param_groups"] = copy.deepcopy(state_dict["param_groups"])
+    return result
+
+
 class TestStateAdopterRegistry:
     def test_default_adopter_is_registered(self):
         registrations = {r.name: r for r in registered_state_adopters()}
         assert DEFAULT_ADOPTER in registrations
         default = registrations[DEFAULT_ADOPTER]
-        assert default.adopter.name == DEFAULT_ADOPTER
-        assert isinstance(default.origin, str) and default.origin
+        assert isinstance(default.adopter, TEFusedAdamFP32StateAdopter)
+        assert default.origin == "built-in"
         assert callable(default.handle.remove)
 
-    def test_names_are_unique(self, register):
-        register(RecordingAdopter("test_unique"))
+    def test_process_wide_registration_and_removal(self):
+        handle = register_state_adopter(RecordingAdopter("test_removable"))
+        try:
+            (registration,) = [r for r in registered_state_adopters() if r.name == "test_removable"]
+            assert registration.origin == "register_state_adopter"
+        finally:
+            handle.remove()
+        assert "test_removable" not in [r.name for r in registered_state_adopters()]
+
+    def test_names_are_unique(self, registry):
+        registry.register(RecordingAdopter("test_unique"))
         with pytest.raises(ValueError):
-            register_state_adopter(RecordingAdopter("test_unique"))
+            registry.register(RecordingAdopter("test_unique"))
         with pytest.raises(ValueError):
             register_state_adopter(RecordingAdopter(DEFAULT_ADOPTER))
 
-    def test_prepend_and_append_order(self, register):
-        register(RecordingAdopter("test_appended"), prepend=False)
-        register(RecordingAdopter("test_prepended"), prepend=True)
-        names = [r.name for r in registered_state_adopters()]
-        assert names[0] == "test_prepended"
-        assert names[-1] == "test_appended"
-        assert names.index(DEFAULT_ADOPTER) < names.index("test_appended")
+    @pytest.mark.parametrize("name", ["", "my adopter", "tab\tname", "1st", "-x", None])
+    def test_names_must_be_disableable(self, registry, name):
+        with pytest.raises(TypeError):
+            registry.register(RecordingAdopter(name))
 
-    def test_handle_removes_and_frees_the_name(self, register):
-        handle = register_state_adopter(RecordingAdopter("test_removable"))
+    def test_objects_that_are_no_adopter_are_refused(self, registry):
+        with pytest.raises(TypeError):
+            registry.register(SimpleNamespace(name="test_incomplete", decline_reason=None))
+        with pytest.raises(TypeError):
+            registry.register(RecordingAdopter)
+
+    def test_order_is_built_in_then_code_with_prepend_first(self):
+        registry = StateAdopterRegistry(
+            built_in=(RecordingAdopter("test_built_in"),), entry_point_group=None
+        )
+        registry.register(RecordingAdopter("test_appended"))
+        registry.register(RecordingAdopter("test_prepended"), prepend=True)
+        registry.register(RecordingAdopter("test_appended_last"))
+        assert [r.name for r in registry.registrations()] == [
+            "test_prepended",
+            "test_built_in",
+            "test_appended",
+            "test_appended_last",
+        ]
+        assert registry.registrations()[1].origin == "built-in"
+
+    def test_handle_removes_and_frees_the_name(self, registry):
+        handle = registry.register(RecordingAdopter("test_removable"))
         handle.remove()
-        assert "test_removable" not in [r.name for r in registered_state_adopters()]
-        register(RecordingAdopter("test_removable"))
-        assert "test_removable" in [r.name for r in registered_state_adopters()]
+        assert registry.registrations() == ()
+        registry.register(RecordingAdopter("test_removable"))
+        assert [r.name for r in registry.registrations()] == ["test_removable"]
 
-    def test_first_accepting_adopter_wins(self, register, outcomes):
+    def test_outcome_hooks_run_in_order_until_removed(self, registry):
+        calls = []
+        last = registry.register_outcome_hook(lambda outcome: calls.append(("last", outcome)))
+        first = registry.register_outcome_hook(
+            lambda outcome: calls.append(("first", outcome)), prepend=True
+        )
+        outcome = load_inner_optimizer_state_dict(
+            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
+        )
+        assert [name for name, _ in calls] == ["first", "last"]
+        assert all(o is outcome for _, o in calls)
+
+        first.remove()
+        last.remove()
+        calls.clear()
+        load_inner_optimizer_state_dict(
+            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
+        )
+        assert calls == []
+
+    def test_raising_outcome_hook_does_not_break_the_load(self, registry):
+        def broken_hook(outcome):
+            raise RuntimeError("hook failed")
+
+        registry.register_outcome_hook(broken_hook)
+        optimizer, source = _trained_adam(0), _trained_adam(1)
+
+        outcome = load_inner_optimizer_state_dict(
+            _owner(optimizer), source.state_dict(), registry=registry
+        )
+
+        assert outcome.error is None
+        _assert_same_state(optimizer, source)
+
+
+class TestLoadThroughAdopters:
+    def test_first_accepting_adopter_wins(self, registry):
         declining = RecordingAdopter("test_declining", accept=False)
         first = RecordingAdopter("test_first")
         second = RecordingAdopter("test_second")
-        for adopter in (second, first, declining):
-            register(adopter)
+        for adopter in (declining, first, second):
+            registry.register(adopter)
+        received = []
+        registry.register_outcome_hook(received.append)
         optimizer, source = _trained_adam(0), _trained_adam(1)
+        incoming = source.state_dict()
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict())
+        outcome = load_inner_optimizer_state_dict(_owner(optimizer), incoming, registry=registry)
 
         assert isinstance(outcome, StateAdoptionOutcome)
         assert outcome.hook_point == "load"
-        assert outcome.optimizer == "Adam"
+        assert outcome.optimizer.startswith("Adam 0x")
+        assert outcome.optimizer.endswith("(2 params, 48 elements)")
         assert outcome.adopter == "test_first"
-        assert outcome.avoided_bytes == 0
-        assert ("test_declining", "test_declining declines in this test") in outcome.declines
+        assert outcome.method is None and outcome.fallback_reason is None
+        assert outcome.error is None
+        assert outcome.declines == (("test_declining", "test_declining declines in this test"),)
         assert len(first.adopted) == 1 and second.checked == []
-        assert _loads(outcomes) == [outcome]
+        assert received == [outcome]
         assert json.loads(json.dumps(outcome.to_json()))["adopter"] == "test_first"
         _assert_same_state(optimizer, source)
 
-    def test_context_describes_the_owner(self, register):
+    def test_pytorch_loader_keeps_matching_tensors_by_reference(self, registry):
+        """The by-reference install relies on torch.optim.Optimizer.load_state_dict keeping
+        incoming tensors whose dtype and device match; if a PyTorch release copies them
+        (see PyTorch issue 196083), the saving is gone and this test says so."""
+        registry.register(RecordingAdopter("test_torch_loader"))
+        optimizer, source = _trained_adam(0), _trained_adam(1)
+        incoming = _independent_copy(source.state_dict())
+
+        outcome = load_inner_optimizer_state_dict(_owner(optimizer), incoming, registry=registry)
+
+        assert outcome.adopter == "test_torch_loader"
+        assert outcome.allocated_bytes == 0, (
+            f"torch {torch.__version__}: Optimizer.load_state_dict copied "
+            f"{outcome.allocated_bytes} bytes of matching state instead of keeping the tensors"
+        )
+        assert outcome.reused_bytes == _state_bytes(incoming)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for index, param in enumerate(params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert optimizer.state[param][key] is incoming["state"][index][key]
+
+    def test_copying_adopter_is_measured_not_trusted(self, registry):
+        registry.register(RecordingAdopter("test_copying", copy_state=True))
+        optimizer, source = _trained_adam(0), _trained_adam(1)
+        incoming = source.state_dict()
+
+        outcome = load_inner_optimizer_state_dict(_owner(optimizer), incoming, registry=registry)
+
+        assert outcome.adopter == "test_copying"
+        assert outcome.reused_bytes == 0
+        assert outcome.allocated_bytes == _state_bytes(incoming)
+        _assert_same_state(optimizer, source)
+
+    def test_context_describes_the_owner(self, registry):
         adopter = RecordingAdopter("test_context")
-        register(adopter)
+        registry.register(adopter)
         optimizer = _trained_adam(0)
         owner = _owner(optimizer)
         state_dict = _trained_adam(1).state_dict()
 
-        load_inner_optimizer_state_dict(owner, state_dict)
+        load_inner_optimizer_state_dict(owner, state_dict, registry=registry)
 
         context = adopter.checked[0]
         assert isinstance(context, StateAdoptionContext)
+        assert isinstance(context, StateExportContext)
+        assert context == StateAdoptionContext.for_owner(owner, state_dict=state_dict)
         assert context.optimizer is optimizer
         assert context.config is owner.config and context.ddp_config is owner.ddp_config
         assert context.is_stub_optimizer is False
-        assert sorted(context.state_dict) == ["param_groups", "state"]
-
-    @pytest.mark.parametrize("disabled", ["test_first", "test_other,test_first"])
-    def test_disable_by_name(self, register, monkeypatch, disabled):
-        first, second = RecordingAdopter("test_first"), RecordingAdopter("test_second")
-        register(second)
-        register(first)
-        monkeypatch.setenv(DISABLE_BY_NAME_ENV, disabled)
-        optimizer = _trained_adam(0)
-
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), _trained_adam(1).state_dict())
-
-        assert first.checked == [] and first.adopted == []
-        assert outcome.adopter == "test_second"
-
-    def test_kill_switch_runs_the_optimizers_own_loader(self, register, monkeypatch):
-        adopter = RecordingAdopter("test_accepting")
-        register(adopter)
-        monkeypatch.setenv(DISABLE_ALL_ENV, "1")
-        optimizer, source = _trained_adam(0), _trained_adam(1)
-
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict())
-
-        assert adopter.checked == [] and adopter.adopted == []
-        assert outcome.adopter is None and outcome.avoided_bytes == 0
-        _assert_same_state(optimizer, source)
-
-    def test_outcome_hooks_run_in_order_until_removed(self):
-        calls = []
-        last = register_outcome_hook(lambda outcome: calls.append(("last", outcome)))
-        first = register_outcome_hook(
-            lambda outcome: calls.append(("first", outcome)), prepend=True
-        )
-        try:
-            outcome = load_inner_optimizer_state_dict(
-                _owner(_trained_adam(0)), _trained_adam(1).state_dict()
-            )
-        finally:
-            first.remove()
-            last.remove()
-        loads = [(name, o) for name, o in calls if o.hook_point == "load"]
-        assert [name for name, _ in loads] == ["first", "last"]
-        assert all(o is outcome or o == outcome for _, o in loads)
-
-        calls.clear()
-        load_inner_optimizer_state_dict(_owner(_trained_adam(0)), _trained_adam(1).state_dict())
-        assert calls == []
+        assert context.state_dict is state_dict
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            context.optimizer = None
 
     def test_no_adopter_accepts_for_torch_adam(self, outcomes):
         optimizer, source = _trained_adam(0), _trained_adam(1)
 
         outcome = load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict())
 
-        assert outcome.adopter is None and outcome.avoided_bytes == 0
+        assert outcome.adopter is None
+        assert outcome.method == "Adam.load_state_dict"
+        assert outcome.fallback_reason == "every adopter declined"
         assert DEFAULT_ADOPTER in [name for name, _ in outcome.declines]
+        assert _loads(outcomes) == [outcome]
         _assert_same_state(optimizer, source)
 
-    def test_instance_load_state_dict_runs_once_when_nothing_adopts(self):
+    def test_empty_registry_runs_the_own_loader(self, registry):
+        optimizer, source = _trained_adam(0), _trained_adam(1)
+        incoming = source.state_dict()
+
+        outcome = load_inner_optimizer_state_dict(_owner(optimizer), incoming, registry=registry)
+
+        assert outcome.adopter is None and outcome.fallback_reason == "no adopter is registered"
+        assert outcome.reused_bytes == _state_bytes(incoming) and outcome.allocated_bytes == 0
+        _assert_same_state(optimizer, source)
+
+
+class TestSwitches:
+    def test_config_switch_defaults_on(self):
+        assert OptimizerConfig().optimizer_state_adoption is True
+
+    def test_config_switch_off_runs_the_own_loader(self, registry):
+        adopter = RecordingExporter("test_accepting")
+        registry.register(adopter)
+        optimizer, source = _trained_adam(0), _trained_adam(1)
+        owner = _owner(optimizer, optimizer_state_adoption=False)
+        received = []
+        registry.register_outcome_hook(received.append)
+
+        exported = export_inner_optimizer_state_dict(owner, registry=registry)
+        outcome = load_inner_optimizer_state_dict(owner, source.state_dict(), registry=registry)
+
+        assert adopter.checked == [] and adopter.adopted == [] and adopter.exported == []
+        assert [o.hook_point for o in received] == ["export", "load"]
+        for reported in received:
+            assert reported.adopter is None
+            assert reported.fallback_reason == "OptimizerConfig.optimizer_state_adoption is False"
+        assert outcome.method == "Adam.load_state_dict"
+        assert sorted(exported) == ["param_groups", "state"]
+        _assert_same_state(optimizer, source)
+
+    @pytest.mark.parametrize("value", ["1", "true", "ON"])
+    def test_kill_switch_runs_the_own_loader(self, registry, monkeypatch, value):
+        adopter = RecordingAdopter("test_accepting")
+        registry.register(adopter)
+        monkeypatch.setenv(DISABLE_ALL_ENV, value)
+        optimizer, source = _trained_adam(0), _trained_adam(1)
+
+        outcome = load_inner_optimizer_state_dict(
+            _owner(optimizer), source.state_dict(), registry=registry
+        )
+
+        assert adopter.checked == [] and adopter.adopted == []
+        assert outcome.adopter is None
+        assert DISABLE_ALL_ENV in outcome.fallback_reason
+        _assert_same_state(optimizer, source)
+
+    @pytest.mark.parametrize("value", ["0", "false", "off", ""])
+    def test_kill_switch_values_that_leave_adoption_on(self, registry, monkeypatch, value):
+        registry.register(RecordingAdopter("test_accepting"))
+        monkeypatch.setenv(DISABLE_ALL_ENV, value)
+
+        outcome = load_inner_optimizer_state_dict(
+            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
+        )
+
+        assert outcome.adopter == "test_accepting"
+
+    @pytest.mark.parametrize("value", ["ture", "2", "disable"])
+    def test_unrecognised_kill_switch_value_switches_adoption_off(
+        self, registry, monkeypatch, value
+    ):
+        adopter = RecordingAdopter("test_accepting")
+        registry.register(adopter)
+        monkeypatch.setenv(DISABLE_ALL_ENV, value)
+
+        outcome = load_inner_optimizer_state_dict(
+            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
+        )
+
+        assert adopter.checked == []
+        assert outcome.adopter is None and "not recognised" in outcome.fallback_reason
+
+    @pytest.mark.parametrize("disabled", ["test_first", "test_other, test_first"])
+    def test_disable_by_name(self, registry, monkeypatch, disabled):
+        first, second = RecordingAdopter("test_first"), RecordingAdopter("test_second")
+        registry.register(first)
+        registry.register(second)
+        monkeypatch.setenv(DISABLE_BY_NAME_ENV, disabled)
+
+        outcome = load_inner_optimizer_state_dict(
+            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
+        )
+
+        assert first.checked == [] and first.adopted == []
+        assert outcome.adopter == "test_second"
+        assert ("test_first", f"disabled by {DISABLE_BY_NAME_ENV}") in outcome.declines
+
+    def test_megatron_lm_argument_reaches_the_config(self):
+        from megatron.training.arguments import add_megatron_arguments
+        from megatron.training.training import get_megatron_optimizer_config
+
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        assert parser.parse_args([]).optimizer_state_adoption is True
+        args = parser.parse_args(["--no-optimizer-state-adoption"])
+        assert args.optimizer_state_adoption is False
+
+        config, _ = get_megatron_optimizer_config(
+            SimpleNamespace(optimizer_state_adoption=args.optimizer_state_adoption)
+        )
+        assert config.optimizer_state_adoption is False
+
+
+class TestLoaderRules:
+    """Cases where the optimizer's own method must run and no adopter is even asked."""
+
+    def test_instance_load_state_dict_runs_once(self, registry):
+        adopter = RecordingAdopter("test_accepting")
+        registry.register(adopter)
         optimizer, source = _trained_adam(0), _trained_adam(1)
         calls = []
         own_loader = optimizer.load_state_dict
@@ -305,31 +553,67 @@ class TestStateAdopterRegistry:
 
         optimizer.load_state_dict = instance_loader
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict())
+        outcome = load_inner_optimizer_state_dict(
+            _owner(optimizer), source.state_dict(), registry=registry
+        )
 
+        assert adopter.checked == []
         assert outcome.adopter is None
+        assert outcome.method == "load_state_dict set on the Adam instance"
         assert len(calls) == 1
         _assert_same_state(optimizer, source)
 
+    def test_load_hooks_run_exactly_once(self, registry):
+        adopter = RecordingAdopter("test_accepting")
+        registry.register(adopter)
+        optimizer, source = _trained_adam(0), _trained_adam(1)
+        calls = []
+        optimizer.register_load_state_dict_pre_hook(lambda opt, sd: calls.append("pre"))
+        optimizer.register_load_state_dict_post_hook(lambda opt: calls.append("post"))
+
+        outcome = load_inner_optimizer_state_dict(
+            _owner(optimizer), source.state_dict(), registry=registry
+        )
+
+        assert adopter.checked == []
+        assert calls == ["pre", "post"]
+        assert outcome.adopter is None and "hook" in outcome.fallback_reason
+        _assert_same_state(optimizer, source)
+
+    def test_state_dict_hooks_keep_the_own_state_dict(self, registry):
+        exporter = RecordingExporter("test_exporter")
+        registry.register(exporter)
+        optimizer = _trained_adam(0)
+        calls = []
+        optimizer.register_state_dict_post_hook(lambda opt, sd: calls.append("post"))
+
+        exported = export_inner_optimizer_state_dict(_owner(optimizer), registry=registry)
+
+        assert exporter.exported == []
+        assert calls == ["post"]
+        assert sorted(exported["state"]) == [0, 1]
+
 
 class TestStateAdoptionFailSafety:
-    def test_raising_check_is_a_decline(self, register):
+    def test_raising_check_is_a_decline(self, registry):
         raising = RecordingAdopter("test_raising_check", check_error=KeyError("boom"))
         accepting = RecordingAdopter("test_accepting")
-        register(accepting)
-        register(raising)
+        registry.register(raising)
+        registry.register(accepting)
         optimizer, source = _trained_adam(0), _trained_adam(1)
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict())
+        outcome = load_inner_optimizer_state_dict(
+            _owner(optimizer), source.state_dict(), registry=registry
+        )
 
         assert "test_raising_check" in [name for name, _ in outcome.declines]
         assert raising.adopted == []
         assert outcome.adopter == "test_accepting"
         _assert_same_state(optimizer, source)
 
-    def test_raising_adoption_is_rolled_back_and_own_loader_runs(self, register):
+    def test_raising_adoption_is_rolled_back_and_own_loader_runs(self, registry):
         failing = RecordingAdopter("test_failing", fail_after_partial_install=True)
-        register(failing)
+        registry.register(failing)
         optimizer, source = _trained_adam(0), _trained_adam(1)
         reference = _trained_adam(0)
         state_dict = source.state_dict()
@@ -341,21 +625,102 @@ class TestStateAdoptionFailSafety:
         ]
         incoming_copies = [tensor.clone() for tensor in incoming_moments]
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), state_dict)
+        outcome = load_inner_optimizer_state_dict(_owner(optimizer), state_dict, registry=registry)
 
         assert len(failing.adopted) == 1
-        assert outcome.adopter is None and outcome.avoided_bytes == 0
-        assert outcome.fallback_reason
+        assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
+        assert outcome.fallback_reason == "adopter 'test_failing' failed while installing the state"
         _assert_same_state(optimizer, reference)
         for tensor, copy_ in zip(incoming_moments, incoming_copies):
             assert torch.equal(tensor, copy_)
 
+    def test_adoption_that_installs_nothing_is_caught(self, registry):
+        lazy = RecordingAdopter("test_lazy", install_nothing=True)
+        registry.register(lazy)
+        optimizer, source = _trained_adam(0, steps=0), _trained_adam(1)
 
-def _bare_distributed_optimizer(inner):
+        outcome = load_inner_optimizer_state_dict(
+            _owner(optimizer), source.state_dict(), registry=registry
+        )
+
+        assert len(lazy.adopted) == 1
+        assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
+        assert outcome.fallback_reason == "adopter 'test_lazy' failed while installing the state"
+        _assert_same_state(optimizer, source)
+
+    def test_own_loader_error_is_reported_and_reraised(self, registry):
+        received = []
+        registry.register_outcome_hook(received.append)
+        optimizer = _trained_adam(0)
+        state_dict = _trained_adam(1).state_dict()
+        state_dict["param_groups"] = state_dict["param_groups"] * 2
+
+        with pytest.raises(ValueError):
+            load_inner_optimizer_state_dict(_owner(optimizer), state_dict, registry=registry)
+
+        (outcome,) = received
+        assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
+        assert outcome.error.startswith("ValueError")
+
+    def test_faithful_export_is_used(self, registry):
+        exporter = RecordingExporter("test_exporter")
+        registry.register(exporter)
+        received = []
+        registry.register_outcome_hook(received.append)
+        optimizer = _trained_adam(0)
+
+        exported = export_inner_optimizer_state_dict(_owner(optimizer), registry=registry)
+
+        assert len(exporter.exported) == 1
+        (outcome,) = received
+        assert outcome.hook_point == "export" and outcome.adopter == "test_exporter"
+        assert outcome.reused_bytes == _state_bytes(exported) and outcome.allocated_bytes == 0
+        assert all(a is b for a, b in zip(_moments(optimizer), _moments_of(exported)))
+
+    def test_malformed_export_is_not_used(self, registry):
+        exporter = RecordingExporter("test_wiping_exporter", wipe_state=True)
+        registry.register(exporter)
+        received = []
+        registry.register_outcome_hook(received.append)
+        optimizer = _trained_adam(0)
+        expected = optimizer.state_dict()
+
+        exported = export_inner_optimizer_state_dict(_owner(optimizer), registry=registry)
+
+        assert len(exporter.exported) == 1
+        (outcome,) = received
+        assert outcome.adopter is None and outcome.method == "Adam.state_dict"
+        assert (
+            outcome.fallback_reason == "adopter 'test_wiping_exporter' failed to export the state"
+        )
+        assert exported["param_groups"] == expected["param_groups"]
+        assert sorted(exported["state"]) == sorted(expected["state"]) == [0, 1]
+
+    def test_no_exporter_uses_the_own_state_dict(self, registry):
+        registry.register(RecordingAdopter("test_not_an_exporter"))
+        received = []
+        registry.register_outcome_hook(received.append)
+
+        export_inner_optimizer_state_dict(_owner(_trained_adam(0)), registry=registry)
+
+        (outcome,) = received
+        assert outcome.fallback_reason == "no registered adopter is a state exporter"
+
+
+def _moments_of(state_dict):
+    return [
+        state_dict["state"][index][key]
+        for group in state_dict["param_groups"]
+        for index in group["params"]
+        for key in ("exp_avg", "exp_avg_sq")
+    ]
+
+
+def _bare_distributed_optimizer(inner, **config_overrides):
     """A DistributedOptimizer with what load_state_dict reads once the inner state exists."""
     optimizer = object.__new__(DistributedOptimizer)
     optimizer.optimizer = inner
-    optimizer.config = OptimizerConfig()
+    optimizer.config = OptimizerConfig(**config_overrides)
     optimizer.ddp_config = DistributedDataParallelConfig()
     optimizer.grad_scaler = None
     optimizer.is_stub_optimizer = False
@@ -388,8 +753,22 @@ class TestDistributedOptimizerCallSite:
         assert adopter.adopted[0].optimizer is distributed.optimizer
         assert adopter.adopted[0].config is distributed.config
         assert [o.adopter for o in _loads(outcomes)] == ["test_accepting"]
-        assert all(o.hook_point in ("load", "export") for o in outcomes)
+        assert [o.hook_point for o in outcomes] == ["export", "load"]
         assert all(a is b for a, b in zip(_moments(distributed.optimizer), moments))
+
+    def test_config_switch_off_uses_the_own_loader(self, register, outcomes):
+        adopter = RecordingAdopter("test_accepting")
+        register(adopter)
+        distributed = _bare_distributed_optimizer(_trained_adam(0), optimizer_state_adoption=False)
+
+        distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
+
+        assert adopter.checked == [] and adopter.adopted == []
+        assert [o.hook_point for o in outcomes] == ["export", "load"]
+        for outcome in outcomes:
+            assert outcome.adopter is None
+            assert outcome.fallback_reason == "OptimizerConfig.optimizer_state_adoption is False"
+        assert _loads(outcomes)[0].method == "Adam.load_state_dict"
 
     def test_megatron_fsdp_path_is_unchanged(self, register, outcomes):
         adopter = RecordingAdopter("test_accepting")
@@ -423,17 +802,6 @@ def _trained_te_fused_adam(seed, **kwargs):
     return optimizer
 
 
-def _independent_copy(state_dict):
-    """The state dict with every state tensor cloned (no tensor shared with its optimizer)."""
-    result = copy.copy(state_dict)
-    result["state"] = {
-        key: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-        for key, entry in state_dict["state"].items()
-    }
-    result["param_groups"] = copy.deepcopy(state_dict["param_groups"])
-    return result
-
-
 def _step_with_same_grads(optimizers, seed):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     grads = None
@@ -448,7 +816,7 @@ def _step_with_same_grads(optimizers, seed):
 
 @requires_te_on_cuda
 class TestTEFusedAdamFP32Adopter:
-    def test_fp32_moments_are_installed_by_reference(self, outcomes, monkeypatch):
+    def test_fp32_moments_are_installed_by_reference(self):
         source = _trained_te_fused_adam(seed=1)
         incoming = _independent_copy(source.state_dict())
         target, _ = _te_fused_adam(seed=0)
@@ -457,19 +825,19 @@ class TestTEFusedAdamFP32Adopter:
         outcome = load_inner_optimizer_state_dict(_owner(target), incoming)
 
         params = [p for g in target.param_groups for p in g["params"]]
+        moment_bytes = sum(8 * p.numel() for p in params)
         assert outcome.adopter == DEFAULT_ADOPTER
-        assert outcome.avoided_bytes == sum(8 * p.numel() for p in params)
+        assert outcome.reused_bytes == moment_bytes and outcome.allocated_bytes == 0
         for index, param in enumerate(params):
             for key in ("exp_avg", "exp_avg_sq"):
                 assert target.state[param][key] is incoming["state"][index][key]
 
-        monkeypatch.setenv(DISABLE_ALL_ENV, "1")
-        assert (
-            load_inner_optimizer_state_dict(
-                _owner(reference), _independent_copy(source.state_dict())
-            ).adopter
-            is None
+        own = load_inner_optimizer_state_dict(
+            _owner(reference, optimizer_state_adoption=False),
+            _independent_copy(source.state_dict()),
         )
+        assert own.adopter is None and own.method == "FusedAdam.load_state_dict"
+        assert own.allocated_bytes == moment_bytes
         _assert_same_state(target, reference)
         _step_with_same_grads([target, reference], seed=5)
         _assert_same_state(target, reference)
@@ -505,6 +873,17 @@ class TestTEFusedAdamFP32Adopter:
         assert DEFAULT_ADOPTER in [name for name, _ in outcome.declines]
         _assert_same_state(target, reference)
 
+    def test_master_weights_keep_te_loader(self):
+        source = _trained_te_fused_adam(seed=1, master_weights=True)
+        target, _ = _te_fused_adam(seed=0, master_weights=True)
+
+        outcome = load_inner_optimizer_state_dict(
+            _owner(target), _independent_copy(source.state_dict())
+        )
+
+        assert outcome.adopter is None
+        assert (DEFAULT_ADOPTER, "FusedAdam.master_weights is set") in outcome.declines
+
     def test_instance_level_load_state_dict_is_respected(self):
         source = _trained_te_fused_adam(seed=1)
         target, _ = _te_fused_adam(seed=0)
@@ -521,7 +900,8 @@ class TestTEFusedAdamFP32Adopter:
             _owner(target), _independent_copy(source.state_dict())
         )
 
-        assert outcome.adopter != DEFAULT_ADOPTER
+        assert outcome.adopter is None
+        assert outcome.method == "load_state_dict set on the FusedAdam instance"
         assert len(calls) == 1
 
 
@@ -584,14 +964,15 @@ class TestDistributedOptimizerCheckpointAdoption:
 
             loads = _loads(outcomes)
             assert loads, "DistributedOptimizer.load_state_dict reported no load outcome"
-            for outcome in loads:
-                assert outcome.optimizer == "FusedAdam"
-                assert outcome.adopter == DEFAULT_ADOPTER, outcome.to_json()
-            expected_bytes = {
+            moment_bytes = {
                 sum(8 * p.numel() for g in d.optimizer.param_groups for p in g["params"])
                 for d in optimizer_B.chained_optimizers
             }
-            assert {outcome.avoided_bytes for outcome in loads} <= expected_bytes
+            for outcome in loads:
+                assert outcome.optimizer.startswith("FusedAdam 0x"), outcome.to_json()
+                assert outcome.adopter == DEFAULT_ADOPTER, outcome.to_json()
+                assert outcome.reused_bytes in moment_bytes, outcome.to_json()
+                assert outcome.allocated_bytes == 0, outcome.to_json()
 
             for tensor_A, tensor_B in zip(
                 self._inner_tensors(optimizer_A), self._inner_tensors(optimizer_B)

@@ -69,6 +69,18 @@ class TestStateAdoptionWithChunkedOffloader:
         assert group["step"] == 2
         assert all(a is b for a, b in zip(_moments(inner), moments))
 
+    def test_offloader_ignores_the_config_switch(self, register, outcomes):
+        adopter = RecordingAdopter("test_accepting")
+        register(adopter)
+        inner = _trained_adam(0)
+        distributed = _bare_distributed_optimizer(inner, optimizer_state_adoption=False)
+        distributed._optimizer_state_offloader = RecordingOffloader()
+
+        distributed.load_state_dict(_outer_state_dict(inner))
+
+        assert adopter.checked == [] and outcomes == []
+        assert len(distributed._optimizer_state_offloader.loaded) == 1
+
     def test_without_offloader_the_registry_is_consulted(self, register, outcomes):
         adopter = RecordingAdopter("test_accepting")
         register(adopter)
@@ -78,4 +90,5 @@ class TestStateAdoptionWithChunkedOffloader:
         distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
 
         assert len(adopter.adopted) == 1
+        assert [o.hook_point for o in outcomes] == ["export", "load"]
         assert [o.adopter for o in _loads(outcomes)] == ["test_accepting"]

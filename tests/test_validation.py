@@ -1,0 +1,459 @@
+"""The public checks of ``validation`` and the contexts they read.
+
+Each check returns None when its rule holds and a reason that names the rule otherwise; the
+reasons are compared exactly where the wording is what an adopter author reads. Real
+``torch.optim`` optimizers throughout (SGD for the incoming-state rules, Adam where state is
+held and exported).
+"""
+
+import dataclasses
+import types
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+import torch
+from builders import Owner, config_with, ddp_config_with
+
+from megatron.core.optimizer.state_adoption import StateAdoptionContext, StateExportContext
+from megatron.core.optimizer.state_adoption.validation import (
+    ExpectedState,
+    exported_state_dict_decline_reason,
+    first_decline_reason,
+    incoming_state_decline_reason,
+    one_entry_per_param_decline_reason,
+    owner_decline_reason,
+    param_state_pairs,
+    state_entry_decline_reason,
+)
+
+SHARES = "shares storage with a parameter or another state tensor"
+
+
+def _sgd(*params: torch.Tensor) -> torch.optim.SGD:
+    return torch.optim.SGD(list(params), lr=0.1)
+
+
+def _params(*sizes: int) -> List[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.ones(size)) for size in sizes]
+
+
+def _accept_any(param: torch.Tensor) -> Optional[str]:
+    return None
+
+
+def _payload(optimizer: torch.optim.Optimizer, entries: Dict[int, Any]) -> Dict[str, Any]:
+    return {"state": entries, "param_groups": optimizer.state_dict()["param_groups"]}
+
+
+def _moments(*sizes: int, dtype: torch.dtype = torch.float32) -> Dict[int, Dict[str, torch.Tensor]]:
+    return {i: {"m": torch.zeros(size, dtype=dtype), "v": torch.zeros(size, dtype=dtype)} for i, size in enumerate(sizes)}
+
+
+FP32_MV: ExpectedState = {"m": torch.float32, "v": torch.float32}
+
+
+def _fp32_mv(param: torch.Tensor) -> ExpectedState:
+    return FP32_MV
+
+
+# --- owner modes -----------------------------------------------------------------------------
+
+
+def _context(**owner_overrides: Any) -> StateAdoptionContext:
+    return StateAdoptionContext.for_owner(Owner(_sgd(*_params(2)), **owner_overrides), state_dict={})
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        ({"is_stub_optimizer": True}, "the DistributedOptimizer is a stub"),
+        ({"ddp_config": None}, "the owner's OptimizerConfig or DistributedDataParallelConfig is unknown"),
+        ({"config": None}, "the owner's OptimizerConfig or DistributedDataParallelConfig is unknown"),
+        (
+            {"ddp_config": ddp_config_with(use_megatron_fsdp=True)},
+            "use_megatron_fsdp is set: Megatron-FSDP manages the state",
+        ),
+        (
+            {"config": config_with(optimizer_cpu_offload=True)},
+            "optimizer_cpu_offload is set: the optimizer is CPU-offloaded",
+        ),
+        (
+            {"config": types.SimpleNamespace(optimizer_cpu_offload=False, use_precision_aware_optimizer=True)},
+            "use_precision_aware_optimizer is set: the optimizer is precision-aware",
+        ),
+        (
+            {"config": types.SimpleNamespace(optimizer_cpu_offload=False)},
+            "SimpleNamespace has no 'use_precision_aware_optimizer'",
+        ),
+        ({"ddp_config": types.SimpleNamespace()}, "SimpleNamespace has no 'use_megatron_fsdp'"),
+    ],
+    ids=["stub", "ddp config unknown", "config unknown", "fsdp", "cpu offload", "precision aware",
+         "flag missing", "fsdp flag missing"],  # fmt: skip
+)
+def test_owner_rules_decline_with_their_exact_reasons(overrides: Dict[str, Any], reason: str) -> None:
+    assert owner_decline_reason(_context(**overrides)) == reason
+
+
+def test_owner_rules_default_to_the_fp32_mode() -> None:
+    assert owner_decline_reason(_context()) is None
+    assert owner_decline_reason(_context(), precision_aware=True) == "use_precision_aware_optimizer is not set"
+    aware = types.SimpleNamespace(optimizer_cpu_offload=False, use_precision_aware_optimizer=True)
+    assert owner_decline_reason(_context(config=aware), precision_aware=True) is None
+
+
+def test_owner_rules_read_an_export_context_alike() -> None:
+    owner = Owner(_sgd(*_params(2)), is_stub_optimizer=True)
+    assert owner_decline_reason(StateExportContext.for_owner(owner)) == "the DistributedOptimizer is a stub"
+    assert owner_decline_reason(StateExportContext.for_owner(Owner(owner.optimizer))) is None
+
+
+# --- chaining checks -------------------------------------------------------------------------
+
+
+def test_first_decline_reason_stops_at_the_first_reason() -> None:
+    ran: List[str] = []
+
+    def check(name: str, reason: Optional[str]) -> Callable[[], Optional[str]]:
+        return lambda: (ran.append(name), reason)[1]
+
+    assert first_decline_reason([check("a", None), check("b", "b fails"), check("c", "c fails")]) == "b fails"
+    assert ran == ["a", "b"]
+    assert first_decline_reason([check("d", None)]) is None and first_decline_reason([]) is None
+
+
+# --- groups and one entry per parameter ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda sd: sd.pop("param_groups"), "the state dict lacks a 'state' mapping or a 'param_groups' list"),
+        (lambda sd: sd.__setitem__("param_groups", tuple(sd["param_groups"])),
+         "the state dict lacks a 'state' mapping or a 'param_groups' list"),
+        (lambda sd: sd.pop("state"), "the state dict lacks a 'state' mapping or a 'param_groups' list"),
+        (lambda sd: sd["param_groups"][0].pop("params"), "param group 0 of the state dict has no 'params' list"),
+        (lambda sd: sd["param_groups"].append({"params": []}), "the state dict has 2 param groups, the optimizer 1"),
+        (lambda sd: sd["param_groups"][0]["params"].append(2),
+         "param group 0 has 3 params in the state dict, 2 in the optimizer"),
+        (lambda sd: sd["state"].pop(1), "parameter 1: has no incoming state"),
+        (lambda sd: sd["state"].__setitem__(7, {}), "the incoming state does not hold exactly one entry per parameter"),
+    ],
+    ids=["no groups", "groups not a list", "no state", "group without params", "group count", "group size",
+         "missing entry", "extra entry"],  # fmt: skip
+)
+def test_structure_reasons_are_exact(change: Callable[[Dict[str, Any]], Any], reason: str) -> None:
+    optimizer = _sgd(*_params(2, 3))
+    state_dict = _payload(optimizer, _moments(2, 3))
+    assert one_entry_per_param_decline_reason(optimizer, state_dict, _accept_any) is None
+    change(state_dict)
+    assert one_entry_per_param_decline_reason(optimizer, state_dict, _accept_any) == reason
+
+
+def test_a_declined_parameter_is_named_by_its_position() -> None:
+    params = _params(2, 3, 4)
+    optimizer = _sgd(*params)
+    state_dict = _payload(optimizer, _moments(2, 3, 4))
+
+    def only_small(param: torch.Tensor) -> Optional[str]:
+        return None if param.numel() < 4 else f"has {param.numel()} elements"
+
+    assert one_entry_per_param_decline_reason(optimizer, state_dict, only_small) == "parameter 2: has 4 elements"
+
+
+def test_param_state_pairs_pairs_as_pytorchs_loader() -> None:
+    """Incoming ids pair with the optimizer's parameters by position, group by group; a
+    parameter without incoming state is skipped."""
+    params = _params(2, 3, 4)
+    optimizer = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.5}], lr=0.1)
+    state_dict = optimizer.state_dict()
+    state_dict["param_groups"][0]["params"] = [7, 3]
+    state_dict["param_groups"][1]["params"] = [5]
+    state_dict["state"] = {3: {"m": "second"}, 5: {"m": "third"}}
+    pairs = list(param_state_pairs(optimizer, state_dict))
+    assert [(index, param is params[index], entry) for index, param, entry in pairs] == [
+        (1, True, {"m": "second"}),
+        (2, True, {"m": "third"}),
+    ]
+
+
+# --- one pass over the parameters ------------------------------------------------------------
+
+
+def _several_problems() -> Any:
+    """Parameter 1 has an FP64 moment, parameter 2 is declined by the parameter rule and
+    parameter 3 has no state; there is an entry for no parameter too."""
+    params = _params(2, 3, 4, 5)
+    optimizer = _sgd(*params)
+    entries = _moments(2, 3, 4)
+    entries[1]["v"] = entries[1]["v"].double()
+    entries[9] = {"m": torch.zeros(1)}
+    return params, optimizer, _payload(optimizer, entries)
+
+
+def test_validate_in_one_pass_reports_the_first_parameters_problem() -> None:
+    """The first problem in parameter order wins, whichever rule it breaks; the state-level
+    count rule comes last."""
+    params, optimizer, state_dict = _several_problems()
+
+    def decline_the_third(param: torch.Tensor) -> Optional[str]:
+        return "is the third" if param is params[2] else None
+
+    assert incoming_state_decline_reason(optimizer, state_dict, decline_the_third, _fp32_mv) == (
+        "parameter 1: v is torch.float64, not torch.float32"
+    )
+    state_dict["state"][1]["v"] = torch.zeros(3)
+    assert incoming_state_decline_reason(optimizer, state_dict, decline_the_third, _fp32_mv) == (
+        "parameter 2: is the third"
+    )
+    assert incoming_state_decline_reason(optimizer, state_dict, _accept_any, _fp32_mv) == (
+        "parameter 3: has no incoming state"
+    )
+    state_dict["state"][3] = {"m": torch.zeros(5), "v": torch.zeros(5)}
+    assert incoming_state_decline_reason(optimizer, state_dict, _accept_any, _fp32_mv) == (
+        "the incoming state does not hold exactly one entry per parameter"
+    )
+    del state_dict["state"][9]
+    assert incoming_state_decline_reason(optimizer, state_dict, _accept_any, _fp32_mv) is None
+
+
+def test_a_shared_storage_is_found_in_the_same_pass() -> None:
+    """Parameter 2's moment aliases parameter 0's; parameter 1's problem comes first."""
+    params, optimizer, state_dict = _several_problems()
+    buffer = torch.zeros(2 + 4)
+    state_dict["state"][0]["m"], state_dict["state"][2]["m"] = buffer[:2], buffer[2:]
+    assert incoming_state_decline_reason(optimizer, state_dict, _accept_any, _fp32_mv).startswith("parameter 1: ")
+    state_dict["state"][1]["v"] = torch.zeros(3)
+    assert incoming_state_decline_reason(optimizer, state_dict, _accept_any, _fp32_mv) == f"parameter 2: m {SHARES}"
+
+
+def test_each_parameter_rule_runs_once_per_parameter_in_order() -> None:
+    params = _params(2, 3, 4, 5)
+    optimizer = _sgd(*params)
+    state_dict = _payload(optimizer, _moments(2, 3, 4, 5))
+    ruled: List[torch.Tensor] = []
+    expected: List[torch.Tensor] = []
+
+    def param_rule(param: torch.Tensor) -> Optional[str]:
+        ruled.append(param)
+        return None
+
+    def expected_state(param: torch.Tensor) -> ExpectedState:
+        expected.append(param)
+        return FP32_MV
+
+    assert incoming_state_decline_reason(optimizer, state_dict, param_rule, expected_state) is None
+    assert [id(p) for p in ruled] == [id(p) for p in expected] == [id(p) for p in params]
+
+
+def test_the_pass_stops_at_the_first_problem() -> None:
+    params, optimizer, state_dict = _several_problems()
+    ruled: List[torch.Tensor] = []
+
+    def param_rule(param: torch.Tensor) -> Optional[str]:
+        ruled.append(param)
+        return None
+
+    assert incoming_state_decline_reason(optimizer, state_dict, param_rule, _fp32_mv).startswith("parameter 1: ")
+    assert [id(p) for p in ruled] == [id(p) for p in params[:2]]
+    ruled.clear()
+    state_dict["param_groups"][0]["params"].pop()
+    assert incoming_state_decline_reason(optimizer, state_dict, param_rule, _fp32_mv) == (
+        "param group 0 has 3 params in the state dict, 4 in the optimizer"
+    )
+    assert ruled == []  # the groups are checked before any parameter
+
+
+# --- one state entry -------------------------------------------------------------------------
+
+
+def test_state_entry_rules_name_the_state_they_read() -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    seen: set = set()
+    assert state_entry_decline_reason(param, [1], FP32_MV, seen, label="held") == (
+        "the held state is a list, not a dict"
+    )
+    assert state_entry_decline_reason(param, {"m": torch.zeros(3)}, FP32_MV, seen) == (
+        "the incoming state has keys ['m'], not ['m', 'v']"
+    )
+    entry = {"m": torch.zeros(3), "v": torch.zeros(3)}
+    assert state_entry_decline_reason(param, entry, FP32_MV, seen) is None
+    assert seen == {t.untyped_storage().data_ptr() for t in entry.values()}
+    assert state_entry_decline_reason(param, dict(entry), FP32_MV, seen) == f"m {SHARES}"
+
+
+def _storage_reason(params: List[torch.Tensor], entries: Dict[int, Dict[str, torch.Tensor]]) -> Optional[str]:
+    optimizer = _sgd(*params)
+    dtypes = {key: tensor.dtype for key, tensor in entries[0].items()}
+    return incoming_state_decline_reason(optimizer, _payload(optimizer, entries), _accept_any, lambda p: dtypes)
+
+
+def _uint8_param(size: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(size, dtype=torch.uint8), requires_grad=False)
+
+
+def test_a_one_byte_moment_aliasing_a_one_byte_parameter_is_declined() -> None:
+    param = _uint8_param(1)
+    assert _storage_reason([param], {0: {"m": param.detach()}}) == f"parameter 0: m {SHARES}"
+
+
+def test_two_one_byte_moments_sharing_a_storage_are_declined() -> None:
+    moment = torch.zeros(1, dtype=torch.uint8)
+    assert _storage_reason([_uint8_param(1)], {0: {"m": moment, "v": moment}}) == f"parameter 0: v {SHARES}"
+
+
+def test_a_moment_in_another_part_of_a_parameters_storage_is_declined() -> None:
+    """Storages are compared, not data pointers: a disjoint view of the parameter's buffer
+    still shares its storage."""
+    buffer = torch.zeros(8)
+    param = torch.nn.Parameter(buffer[:4])
+    assert _storage_reason([param], {0: {"m": buffer[4:], "v": torch.zeros(4)}}) == f"parameter 0: m {SHARES}"
+
+
+def test_zero_element_tensors_share_nothing() -> None:
+    """Empty tensors have no storage address to share (PyTorch reports 0 for all of them), and
+    an empty view of a buffer aliases none of the buffer's elements."""
+    buffer = torch.zeros(8)
+    empty_view_param = torch.nn.Parameter(buffer[0:0])
+    other_param = torch.nn.Parameter(torch.ones(4))
+    entries = {0: {"m": torch.zeros(0), "v": torch.zeros(0)}, 1: {"m": buffer[0:4], "v": torch.zeros(4)}}
+    assert _storage_reason([empty_view_param, other_param], entries) is None
+
+
+# --- an export is the held state -------------------------------------------------------------
+
+
+def _trained_adam(*sizes: int, groups: int = 1) -> torch.optim.Adam:
+    params = _params(*sizes)
+    cut = len(params) // groups if groups > 1 else len(params)
+    param_groups = [{"params": params[:cut]}] + ([{"params": params[cut:], "lr": 0.5}] if groups > 1 else [])
+    optimizer = torch.optim.Adam(param_groups, lr=1e-3)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.full_like(param, 0.1 * (step + 1))
+        optimizer.step()
+    return optimizer
+
+
+def test_the_optimizers_own_state_dict_is_an_acceptable_export() -> None:
+    """PyTorch's ``state_dict()`` packs the held tensors (Adam's 0-d ``step`` included)."""
+    optimizer = _trained_adam(3, 3, 4, groups=2)
+    assert exported_state_dict_decline_reason(optimizer, optimizer.state_dict()) is None
+    fresh = torch.optim.Adam(_params(2))
+    assert exported_state_dict_decline_reason(fresh, fresh.state_dict()) is None
+
+
+def test_hole_1_an_export_with_an_empty_state_is_refused() -> None:
+    """Hole 1: an export with the right param_groups but an empty "state" is not the held state."""
+    optimizer = _trained_adam(3, 3)
+    exported = optimizer.state_dict()
+    exported["state"] = {}
+    assert exported_state_dict_decline_reason(optimizer, exported) == (
+        "it has state for 0 ids ([]), the optimizer holds state for ids [0, 1] (2)"
+    )
+
+
+def test_hole_1_an_export_with_state_permuted_across_parameters_is_refused() -> None:
+    """Hole 1: state entries swapped between two parameters of the same shape are not the
+    held tensors of either, though keys, shapes, dtypes and devices all match."""
+    optimizer = _trained_adam(3, 3)
+    exported = optimizer.state_dict()
+    exported["state"] = {0: exported["state"][1], 1: exported["state"][0]}
+    reason = exported_state_dict_decline_reason(optimizer, exported)
+    assert reason is not None and reason.endswith("of parameter 0 is not the held tensor (a copy, or another parameter's state)")
+
+
+def _exported(change: Callable[[Dict[str, Any], torch.optim.Optimizer], Any]) -> Optional[str]:
+    optimizer = _trained_adam(3, 3, 4, groups=2)
+    exported = optimizer.state_dict()
+    # torch.optim packs the held entry dicts themselves: change copies, not the held state
+    exported["state"] = {state_id: dict(entry) for state_id, entry in exported["state"].items()}
+    change(exported, optimizer)
+    return exported_state_dict_decline_reason(optimizer, exported)
+
+
+def _copy_one(sd: Dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    sd["state"][2]["exp_avg"] = sd["state"][2]["exp_avg"].clone()
+
+
+def _renumber(sd: Dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    sd["param_groups"][1]["params"] = [1, 5]
+    sd["state"][5] = sd["state"].pop(2)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda sd, o: sd.__setitem__("extra", 1), "it is not a dict with exactly 'state' and 'param_groups' (got "
+                                                   "['extra', 'param_groups', 'state'])"),
+        (lambda sd, o: sd.__setitem__("param_groups", tuple(sd["param_groups"])),
+         "'param_groups' is not a list or 'state' is not a mapping"),
+        (lambda sd, o: sd["param_groups"].pop(), "it has 1 param groups, the optimizer 2"),
+        (_renumber, "param group 1 does not list the parameter ids [1, 2]"),
+        (lambda sd, o: sd["param_groups"][1].__setitem__("lr", 0.25), "param group 1 has lr=0.25, the optimizer 0.5"),
+        (lambda sd, o: sd["param_groups"][0].pop("betas"), "param group 0 has keys"),
+        (lambda sd, o: sd["state"].pop(1), "it has state for 2 ids"),
+        (_copy_one, "exp_avg of parameter 2 is not the held tensor (a copy, or another parameter's state)"),
+        (lambda sd, o: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"].double()),
+         "exp_avg of parameter 0 has dtype torch.float64, the held state torch.float32"),
+        (lambda sd, o: sd["state"][0].pop("exp_avg_sq"), "the state of parameter 0 has keys ['exp_avg', 'step']"),
+        (lambda sd, o: sd["state"][0].__setitem__("extra", 1), "the state of parameter 0 has keys"),
+        (lambda sd, o: sd["state"][0].__setitem__("step", sd["state"][0]["step"].item()),
+         "step of parameter 0 is a float, not the held Tensor"),
+    ],
+    ids=["extra key", "groups not a list", "group count", "ids renumbered", "hyper-parameter", "group keys",
+         "state missing", "copied tensor", "converted tensor", "key missing", "key added", "value not a tensor"],  # fmt: skip
+)
+def test_an_export_that_differs_from_the_held_state_is_refused(change: Callable[..., Any], reason: str) -> None:
+    found = _exported(change)
+    assert found is not None and found.startswith(reason), found
+
+
+def test_an_alias_of_the_held_tensor_is_the_held_tensor() -> None:
+    """Identity is not required: the same storage, offset and strides suffice (e.g. a view)."""
+    assert _exported(lambda sd, o: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"].view(3))) is None
+    assert _exported(lambda sd, o: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"][1:])) == (
+        "exp_avg of parameter 0 has shape torch.Size([2]), the held state torch.Size([3])"
+    )
+
+
+def test_non_tensor_state_must_equal_the_held_value() -> None:
+    """A non-tensor held value (here a plain float) must be exported equal, and of its type."""
+    optimizer = _trained_adam(3)
+    param = optimizer.param_groups[0]["params"][0]
+    optimizer.state[param]["scale"] = 0.5
+    exported = optimizer.state_dict()
+    assert exported_state_dict_decline_reason(optimizer, exported) is None
+    exported["state"][0] = {**exported["state"][0], "scale": 0.25}
+    assert exported_state_dict_decline_reason(optimizer, exported) == "scale of parameter 0 is 0.25"
+    exported["state"][0]["scale"] = torch.tensor(0.5)
+    assert exported_state_dict_decline_reason(optimizer, exported) == "scale of parameter 0 is tensor(0.5000)"
+
+
+def test_state_for_a_parameter_without_held_state_is_refused() -> None:
+    optimizer = torch.optim.Adam(_params(2, 3), lr=1e-3)
+    exported = optimizer.state_dict()
+    exported["state"] = {1: {"step": torch.tensor(1.0)}}
+    assert exported_state_dict_decline_reason(optimizer, exported) == (
+        "it has state for 1 ids (['1']), the optimizer holds state for ids [] (0)"
+    )
+
+
+# --- the contexts ----------------------------------------------------------------------------
+
+
+def test_a_context_for_an_owner_without_optional_attributes() -> None:
+    optimizer = _sgd(*_params(2))
+    context = StateExportContext.for_owner(types.SimpleNamespace(optimizer=optimizer))
+    assert context == StateExportContext(optimizer=optimizer, config=None, ddp_config=None, is_stub_optimizer=False)
+
+
+def test_contexts_are_frozen_keyword_only_and_the_adoption_one_extends_the_export_one() -> None:
+    optimizer = _sgd(*_params(2))
+    context = StateAdoptionContext.for_owner(Owner(optimizer), state_dict={"state": {}, "param_groups": []})
+    assert isinstance(context, StateExportContext)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        context.optimizer = optimizer  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        StateExportContext(optimizer)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        StateAdoptionContext(optimizer=optimizer)  # type: ignore[call-arg]
