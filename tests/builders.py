@@ -11,7 +11,13 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.state_adoption import StateAdopterRegistry, StateAdoptionContext
+from megatron.core.optimizer.state_adoption import (
+    StateAdopterRegistry,
+    StateAdoptionContext,
+    StateAdoptionOutcome,
+    export_inner_optimizer_state_dict,
+    load_inner_optimizer_state_dict,
+)
 from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 PARAM_SHAPES = [(64,), (16, 8), (7,), (33,)]
@@ -83,6 +89,32 @@ def make_context(
 ) -> StateAdoptionContext:
     """A context as a non-FSDP, non-offloaded, FP32 DistributedOptimizer would build it."""
     return StateAdoptionContext.for_owner(Owner(optimizer, **overrides), state_dict=state_dict)
+
+
+def registry_of(*adopters: Any) -> StateAdopterRegistry:
+    """A registry without entry-point discovery holding exactly ``adopters``, in order."""
+    registry = StateAdopterRegistry(entry_point_group=None)
+    for adopter in adopters:
+        registry.register(adopter)
+    return registry
+
+
+def load_through(
+    optimizer: torch.optim.Optimizer,
+    state_dict: Any,
+    registry: StateAdopterRegistry,
+    **owner_fields: Any,
+) -> StateAdoptionOutcome:
+    """Load ``state_dict`` into ``optimizer`` as a DistributedOptimizer would, via ``registry``."""
+    owner = Owner(optimizer, **owner_fields)
+    return load_inner_optimizer_state_dict(owner, state_dict, registry=registry)
+
+
+def export_through(
+    optimizer: torch.optim.Optimizer, registry: StateAdopterRegistry, **owner_fields: Any
+) -> Dict[str, Any]:
+    """Read ``optimizer``'s state dict as a DistributedOptimizer would, via ``registry``."""
+    return export_inner_optimizer_state_dict(Owner(optimizer, **owner_fields), registry=registry)
 
 
 def standin_registry(*adopters: Any) -> StateAdopterRegistry:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from benchmark_results import MIB, RESULTS, TINY, column, control, document, entry, resume, table

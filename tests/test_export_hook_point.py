@@ -15,29 +15,16 @@ from typing import Any, Callable, Dict
 import pytest
 import torch
 from adopters_for_tests import DecliningAdopter, Exporter, PyTorchLoaderAdopter, pytorch_state_dict
-from builders import Owner, trained_standin
+from builders import trained_standin, registry_of, export_through
 from outcome_recording import recorded_outcomes
 from real_optimizers import assert_unchanged, groups_without_params, held_state, params_of, state_bytes, trained_adam
 
 from megatron.core.optimizer.state_adoption import (
-    StateAdopterRegistry,
     StateAdoptionOutcome,
-    export_inner_optimizer_state_dict,
 )
 
 LOGGER = "megatron.core.optimizer.state_adoption"
 FAILED = "adopter 'bad' failed to export the state"
-
-
-def _registry(*adopters: Any) -> StateAdopterRegistry:
-    registry = StateAdopterRegistry(entry_point_group=None)
-    for adopter in adopters:
-        registry.register(adopter)
-    return registry
-
-
-def _export(optimizer: torch.optim.Optimizer, registry: StateAdopterRegistry) -> Dict[str, Any]:
-    return export_inner_optimizer_state_dict(Owner(optimizer), registry=registry)
 
 
 def _assert_is_own_state_dict(exported: Dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
@@ -58,10 +45,10 @@ def test_the_first_accepting_exporter_supplies_the_state_dict() -> None:
     plain = PyTorchLoaderAdopter("plain_adopter")  # not an exporter: neither asked nor recorded
     declining = Exporter("declining", pytorch_state_dict, decline="not now")
     good, later = Exporter("good", pytorch_state_dict), Exporter("later", pytorch_state_dict)
-    registry = _registry(plain, declining, good, later)
+    registry = registry_of(plain, declining, good, later)
     optimizer = trained_adam()
     with recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     assert exported is good.exports[0] and later.checks == 0 and declining.exports == []
     (outcome,) = outcomes
     assert outcome.hook_point == "export" and outcome.adopter == "good" and outcome.method is None
@@ -86,10 +73,10 @@ def test_the_first_accepting_exporter_supplies_the_state_dict() -> None:
 def test_the_own_state_dict_runs_when_no_exporter_accepts(adopters: tuple, reason: str, declines: tuple) -> None:
     """Hole 6: an export outcome with only non-exporting adopters says so, not "no adopter is
     registered"."""
-    registry = _registry(*adopters)
+    registry = registry_of(*adopters)
     optimizer = trained_adam()
     with recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     _assert_is_own_state_dict(exported, optimizer)
     assert outcomes == [
         StateAdoptionOutcome(
@@ -109,10 +96,10 @@ def test_tes_own_state_dict_is_measured_as_allocating_its_fp32_copies() -> None:
     export outcome counts as allocated; FP32 moments it returns as they are, reused."""
     bf16 = trained_standin(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     fp32 = trained_standin()
-    registry = _registry()
+    registry = registry_of()
     with recorded_outcomes(registry) as outcomes:
-        _export(bf16, registry)
-        _export(fp32, registry)
+        export_through(bf16, registry)
+        export_through(fp32, registry)
     assert [(o.reused_bytes, o.allocated_bytes) for o in outcomes] == [(0, 8 * 232), (8 * 232, 0)]
     assert outcomes[0].method == "FusedAdamStandIn.state_dict"
 
@@ -120,8 +107,8 @@ def test_tes_own_state_dict_is_measured_as_allocating_its_fp32_copies() -> None:
 def test_exports_are_logged_for_people(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     optimizer = trained_adam()
-    _export(optimizer, _registry(Exporter("good", pytorch_state_dict)))
-    _export(optimizer, _registry())
+    export_through(optimizer, registry_of(Exporter("good", pytorch_state_dict)))
+    export_through(optimizer, registry_of())
     messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith(LOGGER)]
     assert [level for level, _ in messages] == [logging.INFO, logging.DEBUG]
     label = f"Adam {id(optimizer):#x}"
@@ -215,11 +202,11 @@ def test_a_malformed_export_is_refused_and_the_own_state_dict_returned(case: str
     returned, and leave the optimizer unchanged."""
     export, finding = MALFORMED[case]
     bad, later = Exporter("bad", export), Exporter("later", pytorch_state_dict)
-    registry = _registry(bad, later)
+    registry = registry_of(bad, later)
     optimizer = trained_adam()
     state_before, groups_before = held_state(optimizer), groups_without_params(optimizer)
     with caplog.at_level(logging.WARNING, logger=LOGGER), recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     assert len(bad.exports) <= 1 and all(exported is not e for e in bad.exports)
     _assert_is_own_state_dict(exported, optimizer)
     assert_unchanged(optimizer, state_before, groups_before)
@@ -242,7 +229,7 @@ def test_an_exporter_that_replaced_the_state_before_failing_is_undone() -> None:
         opt.param_groups[0]["params"].pop()
         raise RuntimeError("half-way")
 
-    exported = _export(optimizer, _registry(Exporter("vandal", vandalise)))
+    exported = export_through(optimizer, registry_of(Exporter("vandal", vandalise)))
     assert optimizer.state is state and [len(g["params"]) for g in optimizer.param_groups] == [2, 2]
     assert_unchanged(optimizer, state_before, groups_before)
     _assert_is_own_state_dict(exported, optimizer)
@@ -281,9 +268,9 @@ def test_an_exporter_that_changes_the_optimizer_is_undone_even_if_its_export_mat
     the check against the held state cannot tell apart) is undone and the own state_dict used."""
     optimizer = trained_adam()
     state_before, groups_before = held_state(optimizer), groups_without_params(optimizer)
-    registry = _registry(Exporter("bad", _mutating(change)))
+    registry = registry_of(Exporter("bad", _mutating(change)))
     with recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     assert_unchanged(optimizer, state_before, groups_before)
     _assert_is_own_state_dict(exported, optimizer)
     assert [(o.adopter, o.fallback_reason) for o in outcomes] == [(None, FAILED)]
@@ -292,18 +279,18 @@ def test_an_exporter_that_changes_the_optimizer_is_undone_even_if_its_export_mat
 def test_an_export_of_another_optimizers_identical_state_is_refused() -> None:
     """E.g. an exporter that reads a cached or twin optimizer: equal values, other tensors."""
     optimizer, twin = trained_adam(), trained_adam()
-    registry = _registry(Exporter("bad", lambda o: pytorch_state_dict(twin)))
+    registry = registry_of(Exporter("bad", lambda o: pytorch_state_dict(twin)))
     with recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     _assert_is_own_state_dict(exported, optimizer)
     assert outcomes[0].fallback_reason == FAILED
 
 
 def test_an_exporter_returning_a_deepcopy_is_refused() -> None:
     optimizer = trained_adam()
-    registry = _registry(Exporter("bad", lambda o: copy.deepcopy(pytorch_state_dict(o))))
+    registry = registry_of(Exporter("bad", lambda o: copy.deepcopy(pytorch_state_dict(o))))
     with recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     _assert_is_own_state_dict(exported, optimizer)
     assert outcomes[0].fallback_reason == FAILED
 
@@ -320,9 +307,9 @@ def test_an_export_with_aliasing_views_of_the_held_tensors_is_accepted() -> None
         }
         return state_dict
 
-    registry = _registry(Exporter("good", detached))
+    registry = registry_of(Exporter("good", detached))
     with recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     assert outcomes[0].adopter == "good" and outcomes[0].reused_bytes == 200
     assert exported["state"][0]["exp_avg"] is not optimizer.state[params_of(optimizer)[0]]["exp_avg"]
 
@@ -330,9 +317,9 @@ def test_an_export_with_aliasing_views_of_the_held_tensors_is_accepted() -> None
 def test_an_exporter_must_return_the_held_state_of_a_fused_adam_too() -> None:
     """TE's FusedAdam (stand-in) holds FP32 moments; PyTorch's state dict of it is accepted."""
     optimizer = trained_standin()
-    registry = _registry(Exporter("good", pytorch_state_dict))
+    registry = registry_of(Exporter("good", pytorch_state_dict))
     with recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     assert outcomes[0].adopter == "good" and outcomes[0].reused_bytes == 8 * 232
     assert exported["param_groups"] == optimizer.state_dict()["param_groups"]
 

@@ -20,6 +20,8 @@ from adopters_for_tests import (
     RaisingCheckAdopter,
 )
 from builders import (
+    registry_of,
+    load_through,
     Owner,
     assert_bitwise_equal,
     cloned_state_dict,
@@ -33,25 +35,11 @@ from outcome_recording import recorded_outcomes
 from real_optimizers import assert_same_state, cloned, fresh_adam, params_of, trained_adam
 
 from megatron.core.optimizer.state_adoption import (
-    StateAdopterRegistry,
     StateAdoptionContext,
-    StateAdoptionOutcome,
     export_inner_optimizer_state_dict,
-    load_inner_optimizer_state_dict,
 )
 
 LOGGER = "megatron.core.optimizer.state_adoption"
-
-
-def _registry(*adopters: Any) -> StateAdopterRegistry:
-    registry = StateAdopterRegistry(entry_point_group=None)
-    for adopter in adopters:
-        registry.register(adopter)
-    return registry
-
-
-def _load(optimizer: torch.optim.Optimizer, state_dict: Any, registry: StateAdopterRegistry) -> StateAdoptionOutcome:
-    return load_inner_optimizer_state_dict(Owner(optimizer), state_dict, registry=registry)
 
 
 def _tes_loader_result() -> List[torch.Tensor]:
@@ -89,7 +77,7 @@ def test_a_check_that_raises_or_answers_garbage_is_a_logged_decline(adopter: Any
     later = PyTorchLoaderAdopter("later")
     optimizer = fresh_standin()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        outcome = _load(optimizer, cloned_state_dict(trained_standin()), _registry(adopter, later))
+        outcome = load_through(optimizer, cloned_state_dict(trained_standin()), registry_of(adopter, later))
     assert outcome.declines == ((adopter.name, reason),) and outcome.adopter == "later"
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert repr(adopter.name) in warning
@@ -102,10 +90,10 @@ def test_a_check_that_raises_or_answers_garbage_is_a_logged_decline(adopter: Any
 @pytest.mark.parametrize("mutate_incoming", [False, True], ids=["raises", "mutates the incoming dict, then raises"])
 def test_an_adopter_failing_half_way_is_rolled_back_then_the_own_loader_runs(mutate_incoming: bool, caplog) -> None:
     later = PyTorchLoaderAdopter("later")
-    registry = _registry(HalfInstallingAdopter(mutate_incoming=mutate_incoming), later)
+    registry = registry_of(HalfInstallingAdopter(mutate_incoming=mutate_incoming), later)
     optimizer = fresh_standin()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        outcome = _load(optimizer, cloned_state_dict(trained_standin()), registry)
+        outcome = load_through(optimizer, cloned_state_dict(trained_standin()), registry)
     assert outcome.adopter is None and outcome.method == "FusedAdamStandIn.load_state_dict"
     assert outcome.fallback_reason == "adopter 'half_installing' failed while installing the state"
     assert "(RuntimeError: failed half-way)" in caplog.text
@@ -154,7 +142,7 @@ def test_the_rollback_restores_the_containers_exactly_without_setstate() -> None
     group_entries = [dict(g) for g in recording.param_groups]
     recording.seen.clear()
     recording.setstate_calls = 0
-    _load(recording, cloned_state_dict(trained_standin()), _registry(HalfInstallingAdopter()))
+    load_through(recording, cloned_state_dict(trained_standin()), registry_of(HalfInstallingAdopter()))
     (seen,) = recording.seen
     assert seen["state"] is state and seen["entries"].keys() == entries.keys()
     assert all(seen["entries"][p][k] is v for p, e in entries.items() for k, v in e.items())
@@ -246,9 +234,9 @@ def test_an_install_that_does_not_match_the_incoming_state_is_undone(case: str, 
     """A plugin's ``adopt`` that returns normally but installed something other than the
     incoming state is caught after the install: rolled back, and the own loader runs."""
     optimizer = fresh_adam()
-    registry = _registry(_Mistaken("mistaken", MISTAKES[case]))
+    registry = registry_of(_Mistaken("mistaken", MISTAKES[case]))
     with caplog.at_level(logging.WARNING, logger=LOGGER), recorded_outcomes(registry) as outcomes:
-        outcome = _load(optimizer, _adam_payload(), registry)
+        outcome = load_through(optimizer, _adam_payload(), registry)
     assert outcomes == [outcome]
     assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
     assert outcome.fallback_reason == "adopter 'mistaken' failed while installing the state"
@@ -268,7 +256,7 @@ def test_a_correct_install_with_unusual_hyper_parameters_is_kept() -> None:
     for group in state_dict["param_groups"]:
         group.update(config=_Opaque(), max_lr=float("nan"), lr_tensor=torch.tensor([0.1, 0.2]))
     optimizer = fresh_adam()
-    outcome = _load(optimizer, state_dict, _registry(PyTorchLoaderAdopter("pytorch")))
+    outcome = load_through(optimizer, state_dict, registry_of(PyTorchLoaderAdopter("pytorch")))
     assert outcome.adopter == "pytorch" and outcome.reused_bytes == 200
     assert isinstance(optimizer.param_groups[0]["config"], _Opaque)
 
@@ -282,7 +270,7 @@ def test_a_value_returned_from_adopt_is_ignored_and_the_install_measured(returne
         return returned
 
     optimizer = fresh_adam()
-    outcome = _load(optimizer, _adam_payload(), _registry(_Mistaken("claims", install)))
+    outcome = load_through(optimizer, _adam_payload(), registry_of(_Mistaken("claims", install)))
     assert outcome.adopter == "claims" and outcome.reused_bytes == 200 and outcome.allocated_bytes == 0
     assert_same_state(optimizer, _adam_loaded_by_its_own_loader())
 
@@ -326,13 +314,13 @@ def test_a_base_exception_from_an_adopter_propagates_unchanged(where: str, error
     loader, and neither a later adopter nor the own method runs (the process is being stopped).
     The optimizer is restored first, and the call still ends in an outcome with the error."""
     later = PyTorchLoaderAdopter("later")
-    registry = _registry(_Interrupted(where, error), later)
+    registry = registry_of(_Interrupted(where, error), later)
     optimizer = fresh_standin() if where in ("decline_reason", "adopt") else trained_standin()
     allocations = optimizer.allocations
     state_before = {param: dict(entry) for param, entry in optimizer.state.items()}
     with recorded_outcomes(registry) as outcomes, pytest.raises(type(error)) as raised:
         if where in ("decline_reason", "adopt"):
-            _load(optimizer, cloned_state_dict(trained_standin()), registry)
+            load_through(optimizer, cloned_state_dict(trained_standin()), registry)
         else:
             export_inner_optimizer_state_dict(Owner(optimizer), registry=registry)
     assert raised.value is error
@@ -437,10 +425,10 @@ def test_unusual_input_is_adopted_loaded_by_the_own_loader_or_raises_as_upstream
         with pytest.raises(expected) as upstream:
             upstream_optimizer.load_state_dict(upstream_state_dict)
         with pytest.raises(expected) as ours:
-            _load(optimizer, state_dict, standin_registry())
+            load_through(optimizer, state_dict, standin_registry())
         assert str(ours.value) == str(upstream.value)
         return
-    outcome = _load(optimizer, state_dict, standin_registry())
+    outcome = load_through(optimizer, state_dict, standin_registry())
     assert (outcome.adopter is not None) == (expected == ADOPTED)
     _assert_consistent(optimizer, state_dict, expected)
     assert (optimizer.allocations == 0) == (expected == ADOPTED)
@@ -458,7 +446,7 @@ def test_a_state_dict_that_cannot_be_copied_for_a_rollback_is_not_offered_to_ado
     optimizer = torch.optim.SGD([param], lr=0.1)
     adopter = PyTorchLoaderAdopter("would_adopt")
     payload = {"state": {0: [1, 2]}, "param_groups": optimizer.state_dict()["param_groups"]}
-    outcome = _load(optimizer, payload, _registry(adopter))
+    outcome = load_through(optimizer, payload, registry_of(adopter))
     assert adopter.adopted == []
     ((name, reason),) = outcome.declines
     assert name == "would_adopt" and reason.startswith("the state dict cannot be copied for a rollback: TypeError(")
@@ -470,9 +458,9 @@ def test_a_state_dict_that_cannot_be_copied_for_a_rollback_is_not_offered_to_ado
 def test_a_state_dict_of_the_wrong_type_reaches_the_own_loader(state_dict: Any) -> None:
     with pytest.raises(Exception) as upstream:
         fresh_adam().load_state_dict(state_dict)
-    registry = _registry(PyTorchLoaderAdopter("pytorch"))
+    registry = registry_of(PyTorchLoaderAdopter("pytorch"))
     with recorded_outcomes(registry) as outcomes, pytest.raises(type(upstream.value)) as ours:
-        _load(fresh_adam(), state_dict, registry)
+        load_through(fresh_adam(), state_dict, registry)
     assert str(ours.value) == str(upstream.value)
     assert [o.error for o in outcomes] == [f"{type(upstream.value).__name__}: {upstream.value}"]
 
@@ -483,6 +471,6 @@ def test_a_plain_subclass_of_fused_adam_is_adopted() -> None:
     state_dict = cloned_state_dict(trained_standin())
     state_dict["param_groups"] = state_dict["param_groups"][:1]
     state_dict["param_groups"][0]["params"] = [0, 1, 2, 3]
-    outcome = _load(optimizer, state_dict, standin_registry())
+    outcome = load_through(optimizer, state_dict, standin_registry())
     assert outcome.adopter == "te_fused_adam_fp32"
     _assert_consistent(optimizer, state_dict, ADOPTED)

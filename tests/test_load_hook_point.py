@@ -17,7 +17,8 @@ import pytest
 import torch
 from adopters_for_tests import CopyingAdopter, DecliningAdopter, PyTorchLoaderAdopter
 from builders import (
-    Owner,
+    registry_of,
+    load_through,
     cloned_state_dict,
     fresh_standin,
     numel_bytes,
@@ -37,25 +38,11 @@ from real_optimizers import (
 )
 
 from megatron.core.optimizer.state_adoption import (
-    StateAdopterRegistry,
     StateAdoptionContext,
-    StateAdoptionOutcome,
-    load_inner_optimizer_state_dict,
 )
 
 LOGGER = "megatron.core.optimizer.state_adoption"
 STANDIN_BYTES = 8 * 232  # FP32 exp_avg and exp_avg_sq of the stand-in's 232 parameter elements
-
-
-def _load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any], registry: StateAdopterRegistry) -> StateAdoptionOutcome:
-    return load_inner_optimizer_state_dict(Owner(optimizer), state_dict, registry=registry)
-
-
-def _registry(*adopters: Any) -> StateAdopterRegistry:
-    registry = StateAdopterRegistry(entry_point_group=None)
-    for adopter in adopters:
-        registry.register(adopter)
-    return registry
 
 
 def _messages(caplog: pytest.LogCaptureFixture, level: int) -> List[str]:
@@ -68,10 +55,10 @@ def _messages(caplog: pytest.LogCaptureFixture, level: int) -> List[str]:
 def test_the_first_accepting_adopter_installs_the_state_and_later_ones_are_not_asked() -> None:
     declining = DecliningAdopter("declining", "not mine")
     first, second = PyTorchLoaderAdopter("first"), PyTorchLoaderAdopter("second")
-    registry = _registry(declining, first, second)
+    registry = registry_of(declining, first, second)
     optimizer, payload = fresh_adam(), cloned(trained_adam().state_dict())
     with recorded_outcomes(registry) as outcomes:
-        outcome = _load(optimizer, payload, registry)
+        outcome = load_through(optimizer, payload, registry)
     assert outcome.adopter == "first" and outcome.method is None and outcome.fallback_reason is None
     assert outcome.declines == (("declining", "not mine"),) and outcome.error is None
     assert outcomes == [outcome]  # exactly one outcome per call, the one returned
@@ -94,10 +81,10 @@ def test_the_first_accepting_adopter_installs_the_state_and_later_ones_are_not_a
     ids=["no adopter", "all decline"],
 )
 def test_the_own_loader_runs_when_no_adopter_accepts(adopters: tuple, reason: str, declines: tuple) -> None:
-    registry = _registry(*adopters)
+    registry = registry_of(*adopters)
     optimizer = fresh_standin()
     with recorded_outcomes(registry) as outcomes:
-        outcome = _load(optimizer, cloned_state_dict(trained_standin()), registry)
+        outcome = load_through(optimizer, cloned_state_dict(trained_standin()), registry)
     assert outcomes == [outcome]
     assert outcome.adopter is None and outcome.method == "FusedAdamStandIn.load_state_dict"
     assert outcome.fallback_reason == reason and outcome.declines == declines
@@ -123,12 +110,12 @@ class _BlockingAdopter:
 
 def test_a_load_uses_the_registrations_it_started_with() -> None:
     blocking = _BlockingAdopter("blocking")
-    registry = _registry(blocking)
+    registry = registry_of(blocking)
     handle = registry.register(standin_adopter())
     optimizer = fresh_standin()
     results: List[Any] = []
     loader = threading.Thread(
-        target=lambda: results.append(_load(optimizer, cloned_state_dict(trained_standin()), registry))
+        target=lambda: results.append(load_through(optimizer, cloned_state_dict(trained_standin()), registry))
     )
     loader.start()
     assert blocking.entered.wait(timeout=30)
@@ -146,8 +133,8 @@ def test_repeated_loads_do_not_grow_python_objects() -> None:
     optimizer = trained_standin()
 
     def cycle() -> None:
-        _load(optimizer, cloned_state_dict(optimizer), registry)
-        _load(optimizer, optimizer.state_dict(), registry)
+        load_through(optimizer, cloned_state_dict(optimizer), registry)
+        load_through(optimizer, optimizer.state_dict(), registry)
 
     for _ in range(3):
         cycle()
@@ -165,7 +152,7 @@ def test_repeated_loads_do_not_grow_python_objects() -> None:
 def test_the_default_adopter_is_measured_as_installing_by_reference() -> None:
     """Hole 6: the saving is observed: the stand-in adopter reuses 8 B per parameter element."""
     optimizer = fresh_standin()
-    outcome = _load(optimizer, cloned_state_dict(trained_standin()), standin_registry())
+    outcome = load_through(optimizer, cloned_state_dict(trained_standin()), standin_registry())
     assert outcome.adopter == "te_fused_adam_fp32"
     assert (outcome.reused_bytes, outcome.allocated_bytes) == (numel_bytes(optimizer), 0) == (STANDIN_BYTES, 0)
     assert optimizer.allocations == 0
@@ -174,7 +161,7 @@ def test_the_default_adopter_is_measured_as_installing_by_reference() -> None:
 def test_an_adopter_that_installs_copies_is_measured_as_allocating() -> None:
     """Hole 6: the figure is measured, not the adopter's claim: copies count as allocated."""
     optimizer = fresh_standin()
-    outcome = _load(optimizer, cloned_state_dict(trained_standin()), _registry(CopyingAdopter()))
+    outcome = load_through(optimizer, cloned_state_dict(trained_standin()), registry_of(CopyingAdopter()))
     assert outcome.adopter == "copying"
     assert (outcome.reused_bytes, outcome.allocated_bytes) == (0, STANDIN_BYTES)
 
@@ -187,7 +174,7 @@ def test_tes_own_loader_is_measured_as_allocating(make_optimizer) -> None:
     trained optimizer read as partly reused, so thirty loads)."""
     for _ in range(30):
         optimizer = make_optimizer()
-        outcome = _load(optimizer, cloned_state_dict(trained_standin()), _registry())
+        outcome = load_through(optimizer, cloned_state_dict(trained_standin()), registry_of())
         assert outcome.method == "FusedAdamStandIn.load_state_dict"
         assert (outcome.reused_bytes, outcome.allocated_bytes) == (0, STANDIN_BYTES), outcome
 
@@ -201,7 +188,7 @@ def test_an_instance_loader_that_installs_by_reference_is_recorded_as_such() -> 
         torch.optim.Optimizer.load_state_dict(self, state_dict)
 
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
-    outcome = _load(optimizer, cloned_state_dict(trained_standin()), standin_registry())
+    outcome = load_through(optimizer, cloned_state_dict(trained_standin()), standin_registry())
     assert outcome.adopter is None
     assert outcome.method == "load_state_dict set on the FusedAdamStandIn instance"
     assert (outcome.reused_bytes, outcome.allocated_bytes) == (STANDIN_BYTES, 0)
@@ -211,7 +198,7 @@ def test_two_optimizers_of_one_class_and_size_get_different_labels() -> None:
     """Hole 6: outcomes tell a ChainedOptimizer's dense and expert optimizers apart."""
     registry = standin_registry()
     dense, expert = fresh_standin(), fresh_standin()
-    labels = [_load(o, cloned_state_dict(trained_standin()), registry).optimizer for o in (dense, expert)]
+    labels = [load_through(o, cloned_state_dict(trained_standin()), registry).optimizer for o in (dense, expert)]
     assert labels[0] != labels[1]
     for label, optimizer in zip(labels, (dense, expert)):
         assert label == f"FusedAdamStandIn {id(optimizer):#x} (4 params, 232 elements)"
@@ -222,14 +209,14 @@ def test_each_load_of_one_resume_reports_its_own_figure() -> None:
     payload pass re-installs the optimizer's own tensors, and so does a load after a step."""
     registry = standin_registry()
     optimizer = fresh_standin()
-    scaffold = _load(optimizer, cloned_state_dict(trained_standin()), registry)
+    scaffold = load_through(optimizer, cloned_state_dict(trained_standin()), registry)
     first = state_tensors(optimizer)
-    payload = _load(optimizer, optimizer.state_dict(), registry)
+    payload = load_through(optimizer, optimizer.state_dict(), registry)
     assert all(a is b for a, b in zip(state_tensors(optimizer), first))
     for param in (p for g in optimizer.param_groups for p in g["params"]):
         param.grad = torch.ones_like(param)
     optimizer.step()
-    after_step = _load(optimizer, optimizer.state_dict(), registry)
+    after_step = load_through(optimizer, optimizer.state_dict(), registry)
     assert all(a is b for a, b in zip(state_tensors(optimizer), first))
     for outcome in (scaffold, payload, after_step):
         assert outcome.adopter == "te_fused_adam_fp32"
@@ -240,7 +227,7 @@ def test_each_load_of_one_resume_reports_its_own_figure() -> None:
 def test_non_moment_state_is_measured_too() -> None:
     """Adam's 0-d ``step`` tensors are state bytes like the moments."""
     optimizer = fresh_adam()
-    outcome = _load(optimizer, cloned(trained_adam().state_dict()), _registry(PyTorchLoaderAdopter("pytorch")))
+    outcome = load_through(optimizer, cloned(trained_adam().state_dict()), registry_of(PyTorchLoaderAdopter("pytorch")))
     assert outcome.reused_bytes == state_bytes(optimizer) == 4 * (2 * 23 + 4) and outcome.allocated_bytes == 0
     assert all(entry[2].dim() == 0 for entry in held_state(optimizer) if entry[1] == "step")
 
@@ -250,8 +237,8 @@ def test_non_moment_state_is_measured_too() -> None:
 
 def test_an_adoption_is_logged_at_info_with_the_measured_bytes(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    registry = _registry(DecliningAdopter("declining", "not mine"), standin_adopter())
-    outcome = _load(fresh_standin(), cloned_state_dict(trained_standin()), registry)
+    registry = registry_of(DecliningAdopter("declining", "not mine"), standin_adopter())
+    outcome = load_through(fresh_standin(), cloned_state_dict(trained_standin()), registry)
     (info,) = _messages(caplog, logging.INFO)
     assert "'te_fused_adam_fp32' installed" in info and outcome.optimizer in info
     assert "1,856 B by reference, 0 B newly allocated" in info
@@ -262,7 +249,7 @@ def test_an_adoption_is_logged_at_info_with_the_measured_bytes(caplog: pytest.Lo
 
 def test_the_own_loader_is_logged_at_info_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    outcome = _load(fresh_standin(), cloned_state_dict(trained_standin()), _registry())
+    outcome = load_through(fresh_standin(), cloned_state_dict(trained_standin()), registry_of())
     (info,) = _messages(caplog, logging.INFO)
     assert "FusedAdamStandIn.load_state_dict" in info and outcome.optimizer in info
     assert "no adopter is registered" in info and "0 B by reference, 1,856 B newly allocated" in info
@@ -273,6 +260,6 @@ def test_large_figures_are_logged_in_mib(caplog: pytest.LogCaptureFixture) -> No
     param = torch.nn.Parameter(torch.zeros(2**18))
     optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
     payload = {"state": {0: {"momentum_buffer": torch.ones(2**18)}}, "param_groups": optimizer.state_dict()["param_groups"]}
-    _load(optimizer, payload, _registry(PyTorchLoaderAdopter("pytorch")))
+    load_through(optimizer, payload, registry_of(PyTorchLoaderAdopter("pytorch")))
     (info,) = _messages(caplog, logging.INFO)
     assert "1.0 MiB by reference, 0 B newly allocated" in info

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 from builders import (
+    load_through,
     Owner,
     assert_bitwise_equal,
     cloned_state_dict,
@@ -80,11 +81,6 @@ def _incoming_moments(state_dict: Dict[str, Any]) -> List[torch.Tensor]:
     return [state_dict["state"][i][k] for i in sorted(state_dict["state"]) for k in ("exp_avg", "exp_avg_sq")]
 
 
-def _load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any], registry: StateAdopterRegistry,
-          **owner: Any) -> StateAdoptionOutcome:
-    return load_inner_optimizer_state_dict(Owner(optimizer, **owner), state_dict, registry=registry)
-
-
 # --- adoption by reference, measured by the loader --------------------------------------------
 
 
@@ -100,7 +96,7 @@ def test_the_loader_measures_moments_installed_by_reference(registry: StateAdopt
     optimizer, state_dict = _eligible()
     incoming = _incoming_moments(state_dict)
     expected_values = [t.clone() for t in incoming]
-    outcome = _load(optimizer, state_dict, registry)
+    outcome = load_through(optimizer, state_dict, registry)
     assert (outcome.hook_point, outcome.adopter, outcome.method, outcome.error) == ("load", NAME, None, None)
     assert outcome.reused_bytes == numel_bytes(optimizer, per_element=8)
     assert outcome.allocated_bytes == 0 and outcome.declines == () and outcome.fallback_reason is None
@@ -115,7 +111,7 @@ def test_the_stand_ins_own_loader_is_measured_as_a_second_copy(empty_registry: S
     """The problem being solved, seen through the same measurement: TE's loader allocates
     every moment again (8 B per parameter) while the caller still holds the incoming ones."""
     optimizer, state_dict = _eligible()
-    outcome = _load(optimizer, state_dict, empty_registry)
+    outcome = load_through(optimizer, state_dict, empty_registry)
     assert (outcome.adopter, outcome.method) == (None, "FusedAdamStandIn.load_state_dict")
     assert outcome.reused_bytes == 0
     assert outcome.allocated_bytes == numel_bytes(optimizer, per_element=8)
@@ -125,7 +121,7 @@ def test_the_stand_ins_own_loader_is_measured_as_a_second_copy(empty_registry: S
 def test_adoption_matches_the_stand_ins_own_loader_and_its_next_step(registry: StateAdopterRegistry) -> None:
     trained = trained_standin()
     adopted, by_te = fresh_standin(), fresh_standin()
-    assert _load(adopted, cloned_state_dict(trained), registry).adopter == NAME
+    assert load_through(adopted, cloned_state_dict(trained), registry).adopter == NAME
     by_te.load_state_dict(cloned_state_dict(trained))
     assert by_te.allocations == 2 * len(params_of(by_te)) and adopted.allocations == 0
     assert_bitwise_equal(state_tensors(adopted), state_tensors(by_te))
@@ -151,7 +147,7 @@ def test_the_public_conformance_helper_accepts_the_adopter() -> None:
 def test_adoption_installs_group_hyper_parameters_including_step(registry: StateAdopterRegistry) -> None:
     optimizer, state_dict = _eligible()
     state_dict["param_groups"][1]["lr"] = 0.123
-    _load(optimizer, state_dict, registry)
+    load_through(optimizer, state_dict, registry)
     assert [g["step"] for g in optimizer.param_groups] == [2, 2]
     assert optimizer.param_groups[1]["lr"] == 0.123
     assert optimizer.param_groups[1]["params"][0] is params_of(optimizer)[2]
@@ -163,7 +159,7 @@ def test_second_pass_readopts_the_optimizers_own_tensors(registry: StateAdopterR
     optimizer = trained_standin()
     before = state_tensors(optimizer)
     lazy_allocations = optimizer.allocations  # the first step's
-    outcome = _load(optimizer, optimizer.state_dict(), registry)
+    outcome = load_through(optimizer, optimizer.state_dict(), registry)
     assert outcome.adopter == NAME and outcome.allocated_bytes == 0
     assert outcome.reused_bytes == numel_bytes(optimizer, per_element=8)
     assert all(a is b for a, b in zip(state_tensors(optimizer), before))
@@ -542,7 +538,7 @@ def test_an_instance_set_te_state_method_runs_in_the_own_loader(registry: StateA
         FusedAdamStandIn.set_scaled_state(self, param, name, value)
 
     optimizer.set_scaled_state = types.MethodType(set_scaled_state, optimizer)  # type: ignore[method-assign]
-    outcome = _load(optimizer, state_dict, registry)
+    outcome = load_through(optimizer, state_dict, registry)
     assert outcome.adopter is None and outcome.method == "FusedAdamStandIn.load_state_dict"
     assert outcome.declines == ((NAME, "the FusedAdamStandIn instance has its own set_scaled_state"),)
     assert calls == ["exp_avg", "exp_avg_sq"] * len(params_of(optimizer))
@@ -582,7 +578,7 @@ def test_declined_per_param_step_reaches_te_loader_which_raises_as_upstream(regi
     outcomes: List[StateAdoptionOutcome] = []
     registry.register_outcome_hook(outcomes.append)
     with pytest.raises(KeyError, match="step"):
-        _load(fresh_standin(), cloned_state_dict_of(context), registry)
+        load_through(fresh_standin(), cloned_state_dict_of(context), registry)
     (outcome,) = outcomes
     assert outcome.adopter is None and outcome.error is not None and outcome.error.startswith("KeyError")
     assert outcome.declines[0][0] == NAME and "'step'" in outcome.declines[0][1]
@@ -668,7 +664,7 @@ def test_an_invalid_te_version_is_a_decline_and_the_own_loader_runs(
     ``store_param_remainders`` that declines, quietly, and TE's loader runs."""
     adopter = TEFusedAdamFP32StateAdopter(FusedAdamStandIn, param_device_type="cpu", te_version=te_version)
     optimizer = fresh_standin(te_release=WITHOUT_REMAINDERS)
-    outcome = _load(optimizer, cloned_state_dict(trained_standin()), standin_registry(adopter))
+    outcome = load_through(optimizer, cloned_state_dict(trained_standin()), standin_registry(adopter))
     assert outcome.adopter is None and outcome.method == "FusedAdamStandIn.load_state_dict"
     assert outcome.declines == (
         (

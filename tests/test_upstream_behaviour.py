@@ -20,7 +20,9 @@ import pytest
 import torch
 from adopters_for_tests import DecliningAdopter, Exporter, PyTorchLoaderAdopter, RaisingAfterLoaderAdopter, pytorch_state_dict
 from builders import (
-    Owner,
+    registry_of,
+    load_through,
+    export_through,
     assert_bitwise_equal,
     cloned_state_dict,
     fresh_standin,
@@ -33,30 +35,9 @@ from fused_adam_standin import FusedAdamStandIn
 from outcome_recording import recorded_outcomes
 from real_optimizers import assert_same_state, cloned, fresh_adam, trained_adam
 
-from megatron.core.optimizer.state_adoption import (
-    StateAdopterRegistry,
-    StateAdoptionOutcome,
-    export_inner_optimizer_state_dict,
-    load_inner_optimizer_state_dict,
-)
 from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 DISABLE_ENV_VAR = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
-
-
-def _registry(*adopters: Any) -> StateAdopterRegistry:
-    registry = StateAdopterRegistry(entry_point_group=None)
-    for adopter in adopters:
-        registry.register(adopter)
-    return registry
-
-
-def _load(optimizer: torch.optim.Optimizer, state_dict: Any, registry: StateAdopterRegistry) -> StateAdoptionOutcome:
-    return load_inner_optimizer_state_dict(Owner(optimizer), state_dict, registry=registry)
-
-
-def _export(optimizer: torch.optim.Optimizer, registry: StateAdopterRegistry) -> Dict[str, Any]:
-    return export_inner_optimizer_state_dict(Owner(optimizer), registry=registry)
 
 
 # --- methods set on the instance (Megatron-Bridge's loader) -------------------------------
@@ -80,7 +61,7 @@ def test_an_instance_loader_runs_once_with_the_callers_dict_and_no_adopter_is_as
     _install_instance_loader(optimizer, calls)
     payload = cloned_state_dict(trained_standin())
     incoming = [payload["state"][i][k] for i in sorted(payload["state"]) for k in ("exp_avg", "exp_avg_sq")]
-    outcome = _load(optimizer, payload, registry)
+    outcome = load_through(optimizer, payload, registry)
     assert len(calls) == 1 and calls[0] is payload  # the dict the caller assembled, as upstream
     assert permissive.checked == [] and outcome.declines == ()
     assert outcome.adopter is None and outcome.method == "load_state_dict set on the FusedAdamStandIn instance"
@@ -94,9 +75,9 @@ def test_removing_the_instance_loader_makes_adoption_happen_again() -> None:
     optimizer = fresh_standin()
     calls: List[Dict[str, Any]] = []
     _install_instance_loader(optimizer, calls)
-    _load(optimizer, cloned_state_dict(trained_standin()), registry)
+    load_through(optimizer, cloned_state_dict(trained_standin()), registry)
     del optimizer.load_state_dict
-    outcome = _load(optimizer, cloned_state_dict(trained_standin()), registry)
+    outcome = load_through(optimizer, cloned_state_dict(trained_standin()), registry)
     assert len(calls) == 1 and outcome.adopter == "te_fused_adam_fp32"
 
 
@@ -106,14 +87,14 @@ def test_the_kill_switch_calls_the_instance_loader_once(monkeypatch: pytest.Monk
     calls: List[Dict[str, Any]] = []
     _install_instance_loader(optimizer, calls)
     payload = cloned_state_dict(trained_standin())
-    outcome = _load(optimizer, payload, standin_registry())
+    outcome = load_through(optimizer, payload, standin_registry())
     assert len(calls) == 1 and calls[0] is payload
     assert outcome.method == "load_state_dict set on the FusedAdamStandIn instance"
 
 
 def test_an_instance_state_dict_is_never_bypassed_by_an_exporter() -> None:
     exporter = Exporter("permissive_exporter", pytorch_state_dict)
-    registry = _registry(exporter)
+    registry = registry_of(exporter)
     optimizer = trained_standin()
     sentinel: Dict[str, Any] = {"state": {}, "param_groups": []}
     calls: List[int] = []
@@ -124,11 +105,11 @@ def test_an_instance_state_dict_is_never_bypassed_by_an_exporter() -> None:
 
     optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
     with recorded_outcomes(registry) as outcomes:
-        assert _export(optimizer, registry) is sentinel
+        assert export_through(optimizer, registry) is sentinel
     assert calls == [1] and exporter.checks == 0
     assert outcomes[0].method == "state_dict set on the FusedAdamStandIn instance"
     del optimizer.state_dict
-    exported = _export(optimizer, registry)
+    exported = export_through(optimizer, registry)
     assert len(exporter.exports) == 1 and exporter.exports[0] is exported
 
 
@@ -166,7 +147,7 @@ def test_each_load_state_dict_hook_runs_exactly_once(path: str, kind: str, monke
     optimizer = fresh_adam()
     getattr(optimizer, f"register_load_state_dict_{kind}_hook")(_counting_hook(counts, kind))
     adopters = LOAD_PATHS[path]()
-    outcome = _load(optimizer, cloned(trained_adam().state_dict()), _registry(*adopters))
+    outcome = load_through(optimizer, cloned(trained_adam().state_dict()), registry_of(*adopters))
     assert counts == upstream_counts == [kind]
     assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
     assert all(adopter.checked == [] for adopter in adopters)  # never offered
@@ -203,9 +184,9 @@ def test_each_state_dict_hook_runs_exactly_once(path: str, kind: str, monkeypatc
     counts: List[str] = []
     getattr(optimizer, f"register_state_dict_{kind}_hook")(_counting_hook(counts, kind))
     exporters = EXPORT_PATHS[path]()
-    registry = _registry(*exporters)
+    registry = registry_of(*exporters)
     with recorded_outcomes(registry) as outcomes:
-        exported = _export(optimizer, registry)
+        exported = export_through(optimizer, registry)
     assert counts == upstream_counts == [kind]
     assert all(exporter.checks == 0 and exporter.exports == [] for exporter in exporters)
     assert outcomes[0].adopter is None and outcomes[0].method == "Adam.state_dict"
@@ -238,12 +219,12 @@ def test_a_hook_registry_that_is_no_mapping_goes_to_the_own_method(attribute: st
     optimizer = trained_adam() if hook_point == "export" else fresh_adam()
     setattr(optimizer, attribute, _HookList(_counting_hook(counts, attribute)))
     adopter = Exporter("exporter", pytorch_state_dict) if hook_point == "export" else PyTorchLoaderAdopter("pytorch")
-    registry = _registry(adopter)
+    registry = registry_of(adopter)
     with recorded_outcomes(registry) as outcomes:
         if hook_point == "load":
-            _load(optimizer, cloned(trained_adam().state_dict()), registry)
+            load_through(optimizer, cloned(trained_adam().state_dict()), registry)
         else:
-            _export(optimizer, registry)
+            export_through(optimizer, registry)
     assert counts == [attribute]
     (outcome,) = outcomes
     assert outcome.adopter is None and outcome.declines == ()
@@ -267,9 +248,9 @@ def test_a_missing_hook_registry_goes_to_the_own_loader_which_behaves_as_upstrea
 
     upstream, upstream_error = run(lambda o, sd: o.load_state_dict(sd))
     adopter = PyTorchLoaderAdopter("pytorch")
-    registry = _registry(adopter)
+    registry = registry_of(adopter)
     with recorded_outcomes(registry) as outcomes:
-        optimizer, error = run(lambda o, sd: _load(o, sd, registry))
+        optimizer, error = run(lambda o, sd: load_through(o, sd, registry))
     assert error == upstream_error and adopter.checked == []
     assert [(o.adopter, o.error) for o in outcomes] == [(None, upstream_error)]
     assert "cannot be inspected" in (outcomes[0].fallback_reason or "")
@@ -304,12 +285,12 @@ def test_an_error_of_the_own_loader_propagates_and_is_an_outcome(case: str, adop
     with pytest.raises(error) as upstream:
         fresh_standin().load_state_dict(corrupt(cloned_state_dict(trained_standin())))
     registry = {
-        "none": _registry(),
+        "none": registry_of(),
         "the stand-in adopter": standin_registry(),
-        "an adopter that fails first": _registry(RaisingAfterLoaderAdopter("raising")),
+        "an adopter that fails first": registry_of(RaisingAfterLoaderAdopter("raising")),
     }[adopters]
     with recorded_outcomes(registry) as outcomes, pytest.raises(error) as ours:
-        _load(fresh_standin(), corrupt(cloned_state_dict(trained_standin())), registry)
+        load_through(fresh_standin(), corrupt(cloned_state_dict(trained_standin())), registry)
     assert str(ours.value) == str(upstream.value)
     (outcome,) = outcomes
     assert outcome.error == f"{error.__name__}: {upstream.value}"
@@ -342,12 +323,12 @@ def test_the_very_exception_of_the_own_method_propagates_with_an_outcome(hook_po
     ``load_state_dict`` or ``state_dict``, after an outcome recording it reached the hooks."""
     optimizer = _FailingAdam(fresh_adam().param_groups)
     optimizer.error = error
-    registry = _registry(DecliningAdopter("declining"), Exporter("exporter", pytorch_state_dict, decline="no"))
+    registry = registry_of(DecliningAdopter("declining"), Exporter("exporter", pytorch_state_dict, decline="no"))
     with recorded_outcomes(registry) as outcomes, pytest.raises(type(error)) as raised:
         if hook_point == "load":
-            _load(optimizer, cloned(trained_adam().state_dict()), registry)
+            load_through(optimizer, cloned(trained_adam().state_dict()), registry)
         else:
-            _export(optimizer, registry)
+            export_through(optimizer, registry)
     assert raised.value is error
     (outcome,) = outcomes
     method = "load_state_dict" if hook_point == "load" else "state_dict"
@@ -363,9 +344,9 @@ def test_an_instance_loader_that_raises_propagates_with_an_outcome() -> None:
         raise failure
 
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
-    registry = _registry()
+    registry = registry_of()
     with recorded_outcomes(registry) as outcomes, pytest.raises(RuntimeError) as raised:
-        _load(optimizer, cloned(trained_adam().state_dict()), registry)
+        load_through(optimizer, cloned(trained_adam().state_dict()), registry)
     assert raised.value is failure
     assert [(o.method, o.error) for o in outcomes] == [
         ("load_state_dict set on the Adam instance", "RuntimeError: bridge loader failed")
@@ -383,7 +364,7 @@ def test_an_instance_loader_that_raises_propagates_with_an_outcome() -> None:
 def test_adoption_gives_each_te_generation_what_its_own_loader_gives(release: tuple, te_version: str) -> None:
     adopter = TEFusedAdamFP32StateAdopter(FusedAdamStandIn, param_device_type="cpu", te_version=te_version)
     optimizer, by_te = fresh_standin(te_release=release), fresh_standin(te_release=release)
-    outcome = _load(optimizer, cloned_state_dict(trained_standin()), _registry(adopter))
+    outcome = load_through(optimizer, cloned_state_dict(trained_standin()), registry_of(adopter))
     by_te.load_state_dict(cloned_state_dict(trained_standin()))
     assert outcome.adopter == "te_fused_adam_fp32" and optimizer.allocations == 0
     assert_bitwise_equal(state_tensors(optimizer), state_tensors(by_te))
@@ -402,5 +383,5 @@ def test_te_1_13s_loader_fails_on_a_none_value_and_so_does_the_load() -> None:
     with pytest.raises(AttributeError) as upstream:
         fresh_standin(te_release=(1, 13)).load_state_dict(payload())
     with pytest.raises(AttributeError) as ours:
-        _load(fresh_standin(te_release=(1, 13)), payload(), _registry(adopter))
+        load_through(fresh_standin(te_release=(1, 13)), payload(), registry_of(adopter))
     assert str(ours.value) == str(upstream.value)
