@@ -11,6 +11,9 @@
 #                                        # cases (with and without the plugin), Bridge-like
 #                                        # instance loader, releases 0.16.1 and 0.18.2;
 #                                        # Megatron-LM unit tests of dev
+#   bash scripts/device/gpu-batch.sh 3   # one GPU (nvidia-h200), session 10: default-size FP32
+#                                        # dp_reshardable and precision-aware with the plugin,
+#                                        # Bridge-like instance loader (small), the GPU tests
 # Needs .gpu/ from scripts/device/make-bundle.sh. LANE_SECONDS bounds every lane (default 530).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -96,6 +99,12 @@ case $batch in
   lane eval 'bench pa-no-plugin /tmp/mc-upstream /tmp/mc-build --gpus $g2 --cases precision_aware_bf16; bench bridge-like /tmp/mc-upstream /tmp/mc-build --gpus $g2 --instance-loader bridge-like --cases dp_reshardable'
   lane eval 'bench release-0.16.1 /tmp/mc-upstream-0.16.1 /tmp/mc-build-0.16.1 --gpus $g3 --cases dp_reshardable; bench release-0.18.2 /tmp/mc-upstream-0.18.2 /tmp/mc-build-0.18.2 --gpus $g3 --cases dp_reshardable'
   lane mlm dev
+  ;;
+3)  # one GPU shared by the lanes (memory peaks are per process)
+  lane eval 'bench fp32-default /tmp/mc-upstream /tmp/mc-build --gpus 0 --cases dp_reshardable'
+  lane eval 'bench pa-plugin-default /tmp/mc-upstream /tmp/mc-plugin --gpus 0 --cases precision_aware_bf16'
+  lane eval 'small bridge-like-small --gpus 0 --instance-loader bridge-like --cases dp_reshardable'
+  lane eval 'PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1; PYTHONPATH=/tmp/mc-build:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest tests/gpu/test_mcore_resume_gpu.py -q -rA -p no:cacheprovider > "$res/gpu-tests-build-only.log" 2>&1'
   ;;
 *) echo "unknown batch $batch" >&2; exit 2 ;;
 esac
