@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tomllib
 import types
-from importlib.metadata import PackageNotFoundError, distribution
+from importlib.metadata import PackageNotFoundError, distribution, distributions
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -511,7 +511,15 @@ def test_the_installed_plugin_is_this_checkout_pinned_to_the_installed_build() -
     installed = _installed_distribution()
     assert installed.version == _pyproject()["project"]["version"]
     assert [Requirement(r) for r in installed.requires or []] == [_pinned_requirement()]
-    assert _pinned_requirement().specifier.contains(distribution("megatron-core").version)
+    megatron_core = importlib.util.find_spec("megatron.core")
+    assert megatron_core is not None and megatron_core.origin is not None
+    shipping = [  # the megatron-core whose files are imported (not a checkout's bare egg-info)
+        dist
+        for dist in distributions(name="megatron-core")
+        if any(str(f) == "megatron/core/__init__.py" for f in dist.files or [])
+    ]
+    assert len(shipping) == 1, [dist.version for dist in shipping]
+    assert _pinned_requirement().specifier.contains(shipping[0].version)
     spec = importlib.util.find_spec(PACKAGE)
     assert spec is not None and spec.origin is not None
     imported = Path(spec.origin).parent
