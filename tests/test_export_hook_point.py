@@ -323,3 +323,111 @@ def test_an_exporter_must_return_the_held_state_of_a_fused_adam_too() -> None:
     assert outcomes[0].adopter == "good" and outcomes[0].reused_bytes == 8 * 232
     assert exported["param_groups"] == optimizer.state_dict()["param_groups"]
 
+
+
+# --- exporters that change one thing only ---------------------------------------------------
+
+
+def _state_replaced_by_an_equal_mapping(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state = defaultdict(dict, optimizer.state)  # same entries, another container
+
+
+def _state_given_to_a_stateless_parameter(optimizer: torch.optim.Optimizer) -> None:
+    param = params_of(optimizer)[3]  # the state mapping itself stays, one entry more
+    optimizer.state[param] = {"step": torch.tensor(2.0), "exp_avg": torch.zeros(5), "exp_avg_sq": torch.zeros(5)}
+
+
+def _entry_replaced_by_an_equal_copy(optimizer: torch.optim.Optimizer) -> None:
+    param = params_of(optimizer)[1]
+    optimizer.state[param] = dict(optimizer.state[param])
+
+
+def _key_added_to_an_entry(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state[params_of(optimizer)[1]]["max_exp_avg_sq"] = torch.zeros(2, 3)
+
+
+def _group_replaced_by_an_equal_copy(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups[0] = dict(optimizer.param_groups[0])
+
+
+def _hyper_parameter_added(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups[1]["warmup"] = 10
+
+
+def _parameters_reordered(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups[1]["params"].reverse()
+
+
+def _parameter_appended(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups[1]["params"].append(torch.nn.Parameter(torch.zeros(4)))
+
+
+ONE_CHANGE = {
+    "the state mapping replaced by an equal one": _state_replaced_by_an_equal_mapping,
+    "state given to a parameter that had none": _state_given_to_a_stateless_parameter,
+    "a state entry replaced by an equal copy": _entry_replaced_by_an_equal_copy,
+    "a key added to a state entry in place": _key_added_to_an_entry,
+    "a param group replaced by an equal copy": _group_replaced_by_an_equal_copy,
+    "a hyper-parameter added to a group in place": _hyper_parameter_added,
+    "a group's parameters reordered in place": _parameters_reordered,
+    "a parameter appended to a group in place": _parameter_appended,
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_CHANGE))
+def test_an_exporter_that_changes_one_thing_only_is_undone(case: str) -> None:
+    """Each change alone, with an export of what the optimizer then holds (so the check of the
+    export cannot see it), is caught: the optimizer gets back its very containers and the own
+    state_dict is returned."""
+    optimizer = trained_adam()
+    del optimizer.state[params_of(optimizer)[3]]  # one parameter without state
+    state, entries, groups = optimizer.state, list(optimizer.state.values()), list(optimizer.param_groups)
+    params = [[id(p) for p in group["params"]] for group in groups]
+    state_before, groups_before = held_state(optimizer), groups_without_params(optimizer)
+    registry = registry_of(Exporter("bad", _mutating(ONE_CHANGE[case])))
+    with recorded_outcomes(registry) as outcomes:
+        exported = export_through(optimizer, registry)
+    assert [(o.adopter, o.fallback_reason) for o in outcomes] == [(None, FAILED)]
+    assert optimizer.state is state and [id(e) for e in optimizer.state.values()] == [id(e) for e in entries]
+    assert len(optimizer.param_groups) == 2 and all(a is b for a, b in zip(optimizer.param_groups, groups))
+    assert [[id(p) for p in group["params"]] for group in optimizer.param_groups] == params
+    assert_unchanged(optimizer, state_before, groups_before)
+    _assert_is_own_state_dict(exported, optimizer)
+    assert sorted(exported["state"]) == [0, 1, 2]
+
+
+def test_a_params_list_rebuilt_with_the_same_parameters_is_no_change() -> None:
+    """A group's parameters are compared one by one, not the list object: an exporter that
+    rebuilds the list with the same parameters in the same order changed nothing, and its
+    export is used."""
+
+    def rebuild(optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["params"] = list(group["params"])
+
+    optimizer = trained_adam()
+    params = params_of(optimizer)
+    registry = registry_of(Exporter("rebuilding", _mutating(rebuild)))
+    with recorded_outcomes(registry) as outcomes:
+        exported = export_through(optimizer, registry)
+    (outcome,) = outcomes
+    assert outcome.adopter == "rebuilding" and outcome.fallback_reason is None
+    assert exported is registry.registrations()[0].adopter.exports[0]  # type: ignore[attr-defined]
+    assert all(a is b for a, b in zip(params_of(optimizer), params))
+
+
+def test_an_exporter_that_moves_a_held_tensor_to_new_memory_is_measured_as_allocating() -> None:
+    """The export figure is measured too: a held tensor whose data the exporter moved to a new
+    buffer (``tensor.data = copy``) is still the held tensor, but its bytes are new."""
+
+    def move_one(optimizer: torch.optim.Optimizer) -> None:
+        held = optimizer.state[params_of(optimizer)[0]]["exp_avg"]
+        held.data = held.data.clone()
+
+    optimizer = trained_adam()
+    registry = registry_of(Exporter("moving", _mutating(move_one)))
+    with recorded_outcomes(registry) as outcomes:
+        export_through(optimizer, registry)
+    (outcome,) = outcomes
+    assert outcome.adopter == "moving"
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (state_bytes(optimizer) - 24, 24)

@@ -328,6 +328,8 @@ def test_a_base_exception_from_an_adopter_propagates_unchanged(where: str, error
     assert {param: dict(entry) for param, entry in optimizer.state.items()} == state_before
     assert [(o.adopter, o.error) for o in outcomes] == [(None, f"{type(error).__name__}: {error}")]
     assert outcomes[0].fallback_reason == "interrupted while consulting the adopters"
+    assert outcomes[0].hook_point == ("load" if where in ("decline_reason", "adopt") else "export")
+    assert outcomes[0].optimizer == f"FusedAdamStandIn {id(optimizer):#x} (4 params, 232 elements)"
 
 
 # --- malformed or unusual input -----------------------------------------------------------

@@ -232,6 +232,136 @@ def test_non_moment_state_is_measured_too() -> None:
     assert all(entry[2].dim() == 0 for entry in held_state(optimizer) if entry[1] == "step")
 
 
+class _ShardedStandIn(torch.Tensor):
+    """A DTensor as the loader sees it (Megatron-FSDP keeps DTensor state): a tensor of the
+    global shape without an accessible storage, whose bytes on this rank are its local shard's,
+    returned by ``to_local()``."""
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, global_numel: int) -> "_ShardedStandIn":
+        wrapper = torch.Tensor._make_wrapper_subclass(cls, (global_numel,), dtype=local.dtype)  # type: ignore[attr-defined]
+        wrapper.local = local
+        return wrapper  # type: ignore[no-any-return]
+
+    def to_local(self) -> torch.Tensor:
+        return self.local  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(f"{func} on a sharded stand-in")
+
+
+def test_dtensor_state_is_measured_by_its_local_shard() -> None:
+    """With DTensor state the figure is this rank's: the local shards' bytes (2 of 8
+    elements here), not nothing (the wrapper has no storage) nor the global size."""
+    param = torch.nn.Parameter(torch.ones(8))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    shard = torch.ones(2)
+    payload = {"state": {0: {"momentum_buffer": _ShardedStandIn(shard, 8)}}, "param_groups": optimizer.state_dict()["param_groups"]}
+    outcome = load_through(optimizer, payload, registry_of(PyTorchLoaderAdopter("pytorch")))
+    assert outcome.adopter == "pytorch" and optimizer.state[param]["momentum_buffer"].to_local() is shard
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (8, 0)
+
+
+def test_a_state_tensor_without_elements_counts_nothing_and_the_others_still_count() -> None:
+    """A parameter shard can be empty; its state counts 0 B and the count goes on after it."""
+    params = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.ones(3))]
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    payload = {
+        "state": {0: {"momentum_buffer": torch.zeros(0)}, 1: {"momentum_buffer": torch.ones(3)}},
+        "param_groups": optimizer.state_dict()["param_groups"],
+    }
+    outcome = load_through(optimizer, payload, registry_of(PyTorchLoaderAdopter("pytorch")))
+    assert outcome.adopter == "pytorch" and (outcome.reused_bytes, outcome.allocated_bytes) == (12, 0)
+
+
+def test_tensors_on_the_meta_device_are_new_state_also_next_to_an_empty_one() -> None:
+    """A load onto meta-device parameters (deferred initialisation) makes new tensors. They have
+    no storage address (0), as an empty tensor has none: an empty incoming value must not make
+    them look like state that existed before."""
+    params = [torch.nn.Parameter(torch.empty(0, device="meta")), torch.nn.Parameter(torch.empty(3, device="meta"))]
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    payload = {
+        "state": {0: {"momentum_buffer": torch.zeros(0)}, 1: {"momentum_buffer": torch.ones(3)}},
+        "param_groups": optimizer.state_dict()["param_groups"],
+    }
+    outcome = load_through(optimizer, payload, registry_of())
+    assert outcome.method == "SGD.load_state_dict" and optimizer.state[params[1]]["momentum_buffer"].is_meta
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (0, 12)
+
+
+class _FrugalSGD(torch.optim.SGD):
+    """An SGD whose own loader copies each incoming tensor and frees the incoming buffer right
+    away (``untyped_storage().resize_(0)``, as Megatron frees buffers), so the next copy may get
+    the freed address while the incoming tensor object is still alive."""
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        copied: Dict[Any, Dict[str, Any]] = {}
+        for key, entry in state_dict["state"].items():
+            copied[key] = {}
+            for name, value in entry.items():
+                copied[key][name] = value.clone()
+                value.untyped_storage().resize_(0)
+        super().load_state_dict({"state": copied, "param_groups": state_dict["param_groups"]})
+
+
+def test_an_address_freed_and_reused_during_the_call_counts_as_allocated() -> None:
+    """An incoming tensor that gave up its storage during the call no longer holds its
+    old address, so a new tensor that got that address is newly allocated, not reused (the
+    allocator hands a freed block of the same size to the next copy: ten loads)."""
+    for _ in range(10):
+        optimizer = _FrugalSGD([torch.nn.Parameter(torch.ones(4096)) for _ in range(4)], lr=0.1, momentum=0.9)
+        payload = {
+            "state": {i: {"momentum_buffer": torch.full((4096,), float(i))} for i in range(4)},
+            "param_groups": optimizer.state_dict()["param_groups"],
+        }
+        outcome = load_through(optimizer, payload, registry_of())
+        assert outcome.method == "_FrugalSGD.load_state_dict"
+        assert (outcome.reused_bytes, outcome.allocated_bytes) == (0, 4 * 4 * 4096), outcome
+
+
+class _NoWeakReferences:
+    """A tensor proxy that passes ``isinstance(value, torch.Tensor)`` but, like an extension
+    type without a weak-reference slot, cannot be weakly referenced."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+    def untyped_storage(self) -> Any:
+        return self.tensor.untyped_storage()
+
+
+class _VerbatimSGD(torch.optim.SGD):
+    """An SGD whose own loader installs the incoming state entries as they are."""
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for state_id, param in zip(ids, [p for g in self.param_groups for p in g["params"]]):
+            self.state[param] = dict(state_dict["state"][state_id])
+
+
+def test_state_values_that_cannot_be_weakly_referenced_are_measured_too() -> None:
+    """The loader holds the earlier state weakly; a value that refuses weak references is held
+    for the call instead, and counted as the reused bytes it is."""
+    optimizer = _VerbatimSGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9)
+    proxy = _NoWeakReferences(torch.ones(3))
+    payload = {"state": {0: {"momentum_buffer": proxy}}, "param_groups": optimizer.state_dict()["param_groups"]}
+    outcome = load_through(optimizer, payload, registry_of())
+    assert outcome.method == "_VerbatimSGD.load_state_dict"
+    assert next(iter(optimizer.state.values()))["momentum_buffer"] is proxy
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (12, 0)
+
+
 # --- logging ------------------------------------------------------------------------------
 
 

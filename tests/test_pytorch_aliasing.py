@@ -75,3 +75,21 @@ def test_an_install_that_copies_is_reported_and_warned_about(caplog: pytest.LogC
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "'copying'" in warnings[0] and "newly allocated" in warnings[0] and outcome.optimizer in warnings[0]
+
+
+def test_a_single_copied_byte_is_measured_and_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """The smallest copy counts: one parameter of one FP8 element, whose moment is one
+    byte, installed as a copy, is 1 B newly allocated and a WARNING."""
+    param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float8_e4m3fn), requires_grad=False)
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    payload = {
+        "state": {0: {"momentum_buffer": torch.zeros(1, dtype=torch.float8_e4m3fn)}},
+        "param_groups": optimizer.state_dict()["param_groups"],
+    }
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(CopyingAdopter())
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        outcome = load_inner_optimizer_state_dict(Owner(optimizer), payload, registry=registry)
+    assert outcome.adopter == "copying" and (outcome.reused_bytes, outcome.allocated_bytes) == (0, 1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'copying'" in warnings[0] and " 1 B of newly allocated" in warnings[0]

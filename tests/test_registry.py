@@ -283,9 +283,14 @@ class _NoName:
 def test_something_that_is_not_an_adopter_instance_is_refused(
     empty_registry: StateAdopterRegistry, bad: object
 ) -> None:
-    """A plugin author's mistakes: the class instead of an instance, a missing method."""
-    with pytest.raises(TypeError, match="is not a state adopter: it needs a 'name' and the methods"):
+    """A plugin author's mistakes: the class instead of an instance, a missing method. The
+    error names what an adopter needs."""
+    with pytest.raises(TypeError) as refused:
         empty_registry.register(bad)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        f"{bad!r} is not a state adopter: it needs a 'name' and the methods "
+        "'decline_reason(context)' and 'adopt(context)'"
+    )
     assert empty_registry.registrations() == ()
 
 
@@ -387,6 +392,21 @@ def test_an_outcome_hook_must_be_callable(empty_registry: StateAdopterRegistry, 
         empty_registry.register_outcome_hook(hook)
     with pytest.raises(TypeError, match="not callable"):
         register_outcome_hook(hook)
+
+
+def test_process_wide_outcome_hooks_run_in_registration_order_unless_prepended() -> None:
+    calls: List[str] = []
+    handles = [
+        register_outcome_hook(lambda outcome: calls.append("first")),
+        register_outcome_hook(lambda outcome: calls.append("second")),
+        register_outcome_hook(lambda outcome: calls.append("prepended"), prepend=True),
+    ]
+    try:
+        default_registry().report_outcome(StateAdoptionOutcome("load", "SGD 0x1 (1 params, 3 elements)", None))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == ["prepended", "first", "second"]
 
 
 def test_an_outcome_is_json_ready_with_declines_as_pairs(empty_registry: StateAdopterRegistry) -> None:
@@ -687,6 +707,18 @@ def test_plugins_are_ordered_by_entry_point_name_and_a_repeated_name_loads_once(
     assert registrations[2].origin == "entry point same_name = first_on_path:Same (first_on_path 1.0)"
     (warning,) = _warnings(caplog)
     assert "second_on_path:Same (second_on_path 1.0)" in warning and "already registered" in warning
+
+
+def test_of_two_plugins_of_one_name_the_first_on_the_path_wins_whatever_its_value(
+    install_plugin: Callable[..., Path],
+) -> None:
+    """Only the entry-point name orders plugins: a tie keeps ``sys.path`` order, also when the
+    value of the one further back on the path sorts first."""
+    install_plugin("a_further_back", {"tied": "a_further_back:Tied"}, adopter_module(("Tied", "tied")))
+    install_plugin("z_in_front", {"tied": "z_in_front:Tied"}, adopter_module(("Tied", "tied")))  # first on the path
+    (registration,) = _plugin_registry().registrations()  # the other is skipped with a warning
+    assert registration.origin == "entry point tied = z_in_front:Tied (z_in_front 1.0)"
+    assert isinstance(registration.adopter, sys.modules["z_in_front"].Tied)
 
 
 def test_a_plugin_factory_that_registers_itself_in_code_ends_up_registered_once(

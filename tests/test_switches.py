@@ -176,6 +176,20 @@ def test_an_owner_without_the_field_keeps_adoption_on(config: Any) -> None:
     assert outcome.adopter == "any_sgd"
 
 
+def test_an_owner_without_a_config_attribute_keeps_adoption_on() -> None:
+    """The owner is anything with an ``optimizer``; one that has no ``config`` at all (not even
+    None) is not switched off either, and its load is adopted with a context of defaults."""
+    adopter = PyTorchLoaderAdopter("any_sgd", torch.optim.SGD)
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(adopter)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    owner = types.SimpleNamespace(optimizer=optimizer)
+    outcome = load_inner_optimizer_state_dict(owner, optimizer.state_dict(), registry=registry)
+    assert outcome.adopter == "any_sgd"
+    (context,) = adopter.adopted  # what the adopter was told of the bare owner
+    assert context.config is None and context.ddp_config is None and context.is_stub_optimizer is False
+
+
 # --- MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION ----------------------------------------------------------
 
 

@@ -196,6 +196,14 @@ def test_a_fused_adam_attribute_that_is_not_a_class_counts_as_te_not_loaded(monk
     assert adopter.decline_reason(make_context(*_eligible())) == "Transformer Engine's FusedAdam is not loaded"
 
 
+def test_the_adopter_shows_its_class_and_name() -> None:
+    """What a listing of the registrations (or a registry error) prints for it."""
+    shown = "TEFusedAdamFP32StateAdopter(name='te_fused_adam_fp32')"
+    assert repr(TEFusedAdamFP32StateAdopter()) == repr(standin_adopter()) == shown
+    (registration,) = StateAdopterRegistry(built_in=(standin_adopter(),), entry_point_group=None).registrations()
+    assert f"adopter={shown}" in repr(registration)
+
+
 def test_context_for_owner_reads_the_owner() -> None:
     optimizer, state_dict = _eligible()
     owner = Owner(optimizer, is_stub_optimizer=True)
@@ -624,8 +632,10 @@ def test_a_release_with_remainder_mode_must_have_the_attribute(te_version: str) 
 
 @pytest.mark.parametrize("te_version", ["1.12.0", "1.12.99+local", "1.0", "0.0.0"])
 def test_a_release_before_1_13_declines(te_version: str) -> None:
-    reason = _release_reason(te_version)
-    assert reason is not None and reason.startswith(f"Transformer Engine {Version(te_version)} predates 1.13")
+    assert _release_reason(te_version) == (
+        f"Transformer Engine {Version(te_version)} predates 1.13, the first release whose FusedAdam "
+        "this adopter knows"
+    )
 
 
 def test_dev_builds_compare_as_their_release() -> None:

@@ -14,6 +14,7 @@ releases (``te_release``; see docs/te-releases.md).
 """
 
 import types
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
@@ -255,6 +256,103 @@ def test_a_missing_hook_registry_goes_to_the_own_loader_which_behaves_as_upstrea
     assert [(o.adopter, o.error) for o in outcomes] == [(None, upstream_error)]
     assert "cannot be inspected" in (outcomes[0].fallback_reason or "")
     assert_same_state(optimizer, upstream)
+
+
+class _SlotsOptimizer:
+    """An optimizer object without an instance ``__dict__`` (``__slots__``) and without PyTorch's
+    hook registries; upstream calls its ``load_state_dict``/``state_dict`` like any other."""
+
+    __slots__ = ("param_groups", "state", "calls")
+
+    def __init__(self, params: List[torch.nn.Parameter]) -> None:
+        self.param_groups = [{"params": params, "lr": 0.1}]
+        self.state: Dict[Any, Dict[str, Any]] = {}
+        self.calls: List[str] = []
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.calls.append("load_state_dict")
+        ids = state_dict["param_groups"][0]["params"]
+        for state_id, param in zip(ids, self.param_groups[0]["params"]):
+            self.state[param] = dict(state_dict["state"][state_id])
+
+    def state_dict(self) -> Dict[str, Any]:
+        self.calls.append("state_dict")
+        params = self.param_groups[0]["params"]
+        state = {index: dict(self.state[param]) for index, param in enumerate(params) if param in self.state}
+        return {"state": state, "param_groups": [{"params": list(range(len(params))), "lr": 0.1}]}
+
+
+@pytest.mark.parametrize("hook_point", ["load", "export"])
+def test_an_optimizer_without_an_instance_dict_gets_its_own_method_once(hook_point: str) -> None:
+    """An optimizer whose instance has no ``__dict__`` (so nothing can be set on it) and
+    no hook registries is read fail-safe: its own method runs, once, as upstream calls it."""
+    optimizer = _SlotsOptimizer([torch.nn.Parameter(torch.ones(3))])
+    incoming = torch.ones(3)
+    state_dict = {"state": {0: {"momentum_buffer": incoming}}, "param_groups": [{"params": [0], "lr": 0.1}]}
+    adopter = PyTorchLoaderAdopter("any_object", object)
+    registry = registry_of(adopter)
+    with recorded_outcomes(registry) as outcomes:
+        if hook_point == "load":
+            load_through(optimizer, state_dict, registry)  # type: ignore[arg-type]
+        else:
+            optimizer.load_state_dict(state_dict)
+            optimizer.calls.clear()
+            exported = export_through(optimizer, registry)  # type: ignore[arg-type]
+            assert exported["state"][0]["momentum_buffer"] is incoming
+    method = "load_state_dict" if hook_point == "load" else "state_dict"
+    assert optimizer.calls == [method] and adopter.checked == []
+    (outcome,) = outcomes
+    assert outcome.method == f"_SlotsOptimizer.{method}" and outcome.error is None
+    assert outcome.fallback_reason == f"the optimizer's {method} pre-hooks cannot be inspected"
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (12, 0)
+
+
+def test_an_own_state_dict_that_is_no_mapping_is_returned_as_upstream_gets_it() -> None:
+    """Upstream hands on whatever the inner ``state_dict()`` returns; so does the export, with
+    an outcome that measures nothing in it."""
+
+    class PairsAdam(torch.optim.Adam):
+        def state_dict(self) -> Any:  # type: ignore[override]
+            return tuple(torch.optim.Adam.state_dict(self).items())
+
+    optimizer = PairsAdam(fresh_adam().param_groups)
+    registry = registry_of(Exporter("exporter", pytorch_state_dict, decline="no"))
+    with recorded_outcomes(registry) as outcomes:
+        exported: Any = export_through(optimizer, registry)
+    assert isinstance(exported, tuple) and [key for key, _ in exported] == ["state", "param_groups"]
+    (outcome,) = outcomes
+    assert outcome.method == "PairsAdam.state_dict" and outcome.error is None
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (0, 0)
+
+
+class _WatchingStandIn(FusedAdamStandIn):
+    """Counts, when its own loader finishes, how many of the ``watched`` tensors were freed."""
+
+    watched: List["weakref.ref[torch.Tensor]"] = []
+    freed_by_the_end_of_the_load: Optional[int] = None
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.freed_by_the_end_of_the_load = sum(ref() is None for ref in self.watched)
+
+
+def _resumed_watching_standin() -> _WatchingStandIn:
+    """A stand-in holding state only it references, every state tensor watched."""
+    optimizer = _WatchingStandIn(fresh_standin().param_groups, lr=1e-3)
+    optimizer.load_state_dict(cloned_state_dict(trained_standin()))
+    optimizer.watched = [weakref.ref(tensor) for tensor in state_tensors(optimizer)]
+    return optimizer
+
+
+def test_the_own_loader_frees_the_state_it_replaces_during_the_call_as_upstream() -> None:
+    """The loader keeps the earlier state only weakly (to measure the call), so the own loader
+    frees what it replaces while it runs, as upstream's call does: the peak stays upstream's."""
+    upstream = _resumed_watching_standin()
+    upstream.load_state_dict(cloned_state_dict(trained_standin()))
+    optimizer = _resumed_watching_standin()
+    outcome = load_through(optimizer, cloned_state_dict(trained_standin()), registry_of())
+    assert outcome.method == "_WatchingStandIn.load_state_dict"
+    assert optimizer.freed_by_the_end_of_the_load == upstream.freed_by_the_end_of_the_load == 8
 
 
 # --- errors are upstream's, with an outcome -----------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 import pytest
 import torch
 from builders import Owner, config_with, ddp_config_with
+from real_optimizers import cloned
 
 from megatron.core.optimizer.state_adoption import StateAdoptionContext, StateExportContext
 from megatron.core.optimizer.state_adoption.validation import (
@@ -20,6 +21,7 @@ from megatron.core.optimizer.state_adoption.validation import (
     exported_state_dict_decline_reason,
     first_decline_reason,
     incoming_state_decline_reason,
+    installed_state_decline_reason,
     one_entry_per_param_decline_reason,
     owner_decline_reason,
     param_state_pairs,
@@ -147,6 +149,16 @@ def test_structure_reasons_are_exact(change: Callable[[Dict[str, Any]], Any], re
     assert one_entry_per_param_decline_reason(optimizer, state_dict, _accept_any) is None
     change(state_dict)
     assert one_entry_per_param_decline_reason(optimizer, state_dict, _accept_any) == reason
+
+
+@pytest.mark.parametrize("state_dict", [None, [], "state"], ids=["None", "a list", "a str"])
+def test_a_state_dict_that_is_not_a_mapping_is_declined_not_raised(state_dict: Any) -> None:
+    """A check never raises on a malformed state dict: it declines, so the own loader runs and
+    raises as upstream would."""
+    optimizer = _sgd(*_params(2))
+    assert one_entry_per_param_decline_reason(optimizer, state_dict, _accept_any) == (
+        "the state dict lacks a 'state' mapping or a 'param_groups' list"
+    )
 
 
 def test_a_declined_parameter_is_named_by_its_position() -> None:
@@ -436,6 +448,150 @@ def test_state_for_a_parameter_without_held_state_is_refused() -> None:
     assert exported_state_dict_decline_reason(optimizer, exported) == (
         "it has state for 1 ids (['1']), the optimizer holds state for ids [] (0)"
     )
+
+
+def test_an_export_that_is_not_a_mapping_is_refused_with_no_keys_listed() -> None:
+    optimizer = _trained_adam(3)
+    for exported in (None, [optimizer.state_dict()]):
+        assert exported_state_dict_decline_reason(optimizer, exported) == (
+            "it is not a dict with exactly 'state' and 'param_groups' (got None)"
+        )
+
+
+def test_a_state_entry_that_is_not_a_mapping_is_refused_and_shown_as_it_is() -> None:
+    assert _exported(lambda sd, o: sd["state"].__setitem__(0, None)) == (
+        "the state of parameter 0 has keys None, the held ['exp_avg', 'exp_avg_sq', 'step']"
+    )
+
+
+def test_the_ids_a_state_mismatch_names_are_the_first_eight() -> None:
+    """With many parameters the reason lists the first eight ids of each side, and the counts."""
+    optimizer = _trained_adam(*([2] * 10))
+    exported = optimizer.state_dict()
+    exported["state"] = {state_id: entry for state_id, entry in exported["state"].items() if state_id != 9}
+    assert exported_state_dict_decline_reason(optimizer, exported) == (
+        "it has state for 9 ids (['0', '1', '2', '3', '4', '5', '6', '7']), the optimizer holds state "
+        "for ids [0, 1, 2, 3, 4, 5, 6, 7] (10)"
+    )
+
+
+def test_an_equal_copy_of_a_hyper_parameter_is_the_held_one() -> None:
+    """Hyper-parameters are compared by value (a checkpointed group holds copies)."""
+    optimizer = _trained_adam(3, 3, 4, groups=2)
+    exported = optimizer.state_dict()
+    held_betas = optimizer.param_groups[1]["betas"]
+    exported["param_groups"][1]["betas"] = tuple(list(held_betas))
+    assert exported["param_groups"][1]["betas"] is not held_betas
+    assert exported_state_dict_decline_reason(optimizer, exported) is None
+
+
+def test_a_hyper_parameter_without_a_usable_equality_is_not_the_held_one() -> None:
+    """A list of tensors has no truth value for ==: a copy of it counts as different."""
+    optimizer = _trained_adam(3)
+    optimizer.param_groups[0]["scales"] = [torch.tensor([1.0, 2.0])]
+    exported = optimizer.state_dict()
+    assert exported_state_dict_decline_reason(optimizer, exported) is None  # the held list itself
+    exported["param_groups"][0]["scales"] = [torch.tensor([1.0, 2.0])]
+    assert exported_state_dict_decline_reason(optimizer, exported) == (
+        "param group 0 has scales=[tensor([1., 2.])], the optimizer [tensor([1., 2.])]"
+    )
+
+
+def test_any_empty_tensor_of_the_held_dtype_shape_and_device_is_the_held_empty_tensor() -> None:
+    """An empty parameter (an empty shard) has empty moments: there is no data to alias, so
+    another empty tensor, even an empty view of some buffer, is accepted in their place."""
+    optimizer = _trained_adam(3, 0)
+    exported = optimizer.state_dict()
+    exported["state"][1] = {**exported["state"][1], "exp_avg": torch.zeros(4)[4:]}
+    assert exported_state_dict_decline_reason(optimizer, exported) is None
+
+
+def test_a_copied_one_byte_state_tensor_is_not_the_held_tensor() -> None:
+    optimizer = _trained_adam(3)
+    optimizer.state[optimizer.param_groups[0]["params"][0]]["found_inf"] = torch.tensor(False)
+    exported = optimizer.state_dict()
+    assert exported_state_dict_decline_reason(optimizer, exported) is None
+    exported["state"][0] = {**exported["state"][0], "found_inf": torch.tensor(False)}
+    assert exported_state_dict_decline_reason(optimizer, exported) == (
+        "found_inf of parameter 0 is not the held tensor (a copy, or another parameter's state)"
+    )
+
+
+def test_state_held_for_a_tensor_that_is_no_parameter_is_not_part_of_an_export() -> None:
+    """Stale state (for a tensor no longer among the parameters) has no id to export under;
+    the check leaves it out instead of failing on it."""
+    optimizer = _trained_adam(3, 3)
+    exported = optimizer.state_dict()
+    optimizer.state[torch.zeros(3)] = {"exp_avg": torch.zeros(3)}
+    assert exported_state_dict_decline_reason(optimizer, exported) is None
+
+
+# --- an install is what every loader leaves right --------------------------------------------
+
+
+def _install(
+    change: Callable[[torch.optim.Optimizer, Dict[str, Any]], Any] = lambda optimizer, sd: None,
+) -> Optional[str]:
+    """Install a trained Adam's state dict into a fresh one with PyTorch's loader, let
+    ``change`` spoil the result (or the state dict as given), and check the install."""
+    state_dict = cloned(_trained_adam(3, 3, 4, groups=2).state_dict())
+    optimizer = _trained_adam(3, 3, 4, groups=2)
+    optimizer.state.clear()
+    params = [list(group["params"]) for group in optimizer.param_groups]
+    torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
+    change(optimizer, state_dict)
+    return installed_state_decline_reason(optimizer, state_dict, params)
+
+
+def _first_state(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    return optimizer.state[optimizer.param_groups[0]["params"][0]]
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda o, sd: None, None),
+        (lambda o, sd: o.param_groups[0]["params"].append(torch.zeros(1)),
+         "the param groups do not hold the optimizer's parameters"),
+        (lambda o, sd: o.param_groups[1]["params"].__setitem__(0, torch.nn.Parameter(torch.ones(3))),
+         "the param groups do not hold the optimizer's parameters"),
+        (lambda o, sd: sd["param_groups"][0]["params"].append(9),
+         "the state dict's param groups do not match the optimizer's"),
+        (lambda o, sd: o.param_groups[1].__setitem__("lr", 0.25), "param group 1 does not have the state dict's lr"),
+        (lambda o, sd: o.param_groups[0].pop("betas"), "param group 0 does not have the state dict's betas"),
+        (lambda o, sd: o.state.__setitem__(torch.zeros(3), {"exp_avg": torch.zeros(3)}),
+         "there is state for a tensor that is no parameter of the optimizer"),
+        (lambda o, sd: sd["state"].pop(2), "parameter 2 has state, the state dict none"),
+        (lambda o, sd: o.state.pop(o.param_groups[1]["params"][0]), "parameter 1 has no state"),
+        (lambda o, sd: _first_state(o).pop("exp_avg"),
+         "the state of parameter 0 has keys ['exp_avg_sq', 'step'], the state dict ['exp_avg', 'exp_avg_sq', 'step']"),
+        (lambda o, sd: _first_state(o).__setitem__("extra", torch.zeros(1)),
+         "the state of parameter 0 has keys ['exp_avg', 'exp_avg_sq', 'extra', 'step'], the state dict "
+         "['exp_avg', 'exp_avg_sq', 'step']"),
+    ],
+    ids=["as installed", "a parameter added", "a parameter replaced", "state dict groups", "hyper-parameter changed",
+         "hyper-parameter missing", "state for no parameter", "state without incoming state", "state missing",
+         "key missing", "key added"],  # fmt: skip
+)
+def test_an_install_that_breaks_what_every_loader_keeps_is_named_exactly(
+    change: Callable[[torch.optim.Optimizer, Dict[str, Any]], Any], reason: Optional[str]
+) -> None:
+    assert _install(change) == reason
+
+
+def test_an_install_may_skip_the_keys_whose_incoming_value_is_none() -> None:
+    """TE's loader skips None values: such a key may be absent after the install, or present."""
+
+    def give_none(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
+        state_dict["state"][0]["scale"] = None
+
+    assert _install(give_none) is None
+
+    def give_none_and_install_it(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
+        give_none(optimizer, state_dict)
+        _first_state(optimizer)["scale"] = None
+
+    assert _install(give_none_and_install_it) is None
 
 
 # --- the contexts ----------------------------------------------------------------------------

@@ -168,12 +168,28 @@ def run_phase(
     return PhaseOutcome(returncode, results, log_path, seconds)
 
 
+#: Seconds a launcher gets to terminate its ranks before its process group is killed.
+_TERMINATE_GRACE_S = 20.0
+
+
 def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """Kill the worker and everything it started (a launcher's ranks too)."""
+    """Stop the worker and everything it started, a launcher's ranks too.
+
+    ``torch.distributed.run`` starts every rank in a session of its own, which a signal to the
+    launcher's process group does not reach: the launcher is asked to terminate first (it then
+    terminates its ranks) and only killed, with its group, if it does not exit in time.
+    """
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=_TERMINATE_GRACE_S)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
-        proc.kill()
+        pass
 
 
 def failure_tail(log_text: str, lines: int = _FAILURE_TAIL_LINES) -> list[str]:

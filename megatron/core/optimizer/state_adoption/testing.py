@@ -95,22 +95,16 @@ def _assert_same_state(
     ), f"{name}: {what} has other param-group hyper-parameters"
 
 
-def _containers(state_dict: Any) -> Any:
-    """A copy of a state dict's containers to compare (tensors by identity); a malformed
-    state dict, which a check must decline, is copied as far as it is well formed."""
-    if not isinstance(state_dict, Mapping):
-        return state_dict
-    copied = dict(state_dict)
-    state = state_dict.get("state")
-    if isinstance(state, Mapping):
-        copied["state"] = {
-            key: dict(entry) if isinstance(entry, Mapping) else entry
-            for key, entry in state.items()
-        }
-    groups = state_dict.get("param_groups")
-    if isinstance(groups, list):
-        copied["param_groups"] = [dict(g) if isinstance(g, Mapping) else g for g in groups]
-    return copied
+def _containers(value: Any) -> Any:
+    """``value`` with every container copied and every tensor replaced by its identity, to
+    compare a state dict before and after a check (a malformed one as far as it goes)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, Mapping):
+        return {key: _containers(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_containers(item) for item in value], type(value)
+    return value
 
 
 def assert_check_is_side_effect_free(
