@@ -240,8 +240,15 @@ def _replace_a_moment(state_dict: Dict[str, Any]) -> None:
     entry["exp_avg"] = entry["exp_avg"].clone()
 
 
+def _turn_a_params_list_into_a_tuple(state_dict: Dict[str, Any]) -> None:
+    group = state_dict["param_groups"][0]
+    group["params"] = tuple(group["params"])
+
+
 @pytest.mark.parametrize(
-    "spoil", [_pop_a_group_param, _replace_a_moment], ids=["pops a group's param id", "replaces a tensor"]
+    "spoil",
+    [_pop_a_group_param, _replace_a_moment, _turn_a_params_list_into_a_tuple],
+    ids=["pops a group's param id", "replaces a tensor", "turns a params list into a tuple"],
 )
 def test_a_check_that_changes_the_incoming_state_dict_deep_inside_is_caught(
     spoil: Callable[[Dict[str, Any]], None],
