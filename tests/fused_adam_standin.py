@@ -26,6 +26,12 @@ instance has ``store_param_remainders`` and the loader skips ``None`` values (th
 in 1.13 and 1.14 additionally a ``None`` state value makes the loader fail. Every release from
 1.13 to 2.20 allocates and copies on load.
 
+DTensor parameters (Megatron-FSDP's, FSDP2's) as TE 2.20 handles them: state is allocated
+like the parameter's local shard and wrapped again as a DTensor with the parameter's device
+mesh, placements, shape and stride; the loader unwraps incoming DTensors to their local shards
+before copying; ``state_dict`` returns the state re-wrapped as DTensors; ``step`` works on the
+local shards.
+
 Every state tensor it allocates is counted in ``allocations`` so tests can prove that an
 adopter allocated nothing. Not reproduced: FP16/FP8 scaled moments, and ``step`` with
 master weights (it raises).
@@ -35,6 +41,23 @@ from itertools import chain
 from typing import Any, Dict, Iterable, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local(tensor: Any) -> Any:
+    """A DTensor's local shard, or the tensor itself (TE reads ``_local_tensor``)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _as_dtensor_like(param: torch.Tensor, local: torch.Tensor) -> Any:
+    """``local`` wrapped as a DTensor laid out like the DTensor ``param``, as TE wraps state."""
+    return DTensor.from_local(
+        local,
+        device_mesh=param.device_mesh,
+        placements=param.placements,
+        shape=param.size(),
+        stride=param.stride(),
+    )
 
 
 class FusedAdamStandIn(torch.optim.Optimizer):
@@ -85,14 +108,17 @@ class FusedAdamStandIn(torch.optim.Optimizer):
     ) -> None:
         """Allocate one state tensor of the configured dtype (int16 for remainders), as TE does."""
         dtype = self.name_to_dtype_map[state_name]
+        local_param = _local(param)
         if store_param_remainders:
-            data = torch.zeros_like(param, dtype=torch.int16)
+            data = torch.zeros_like(local_param, dtype=torch.int16)
         else:
-            data = torch.empty_like(param, dtype=dtype)
+            data = torch.empty_like(local_param, dtype=dtype)
         if zero_buffer:
             data.zero_()
         self.allocations += 1
         self.state[param][state_name] = data
+        if isinstance(param, DTensor):
+            self.state[param][state_name] = _as_dtensor_like(param, data)
         if dtype != torch.float32:
             self._scales.setdefault(param, {})[state_name] = torch.ones([1], dtype=torch.float32)
 
@@ -111,7 +137,7 @@ class FusedAdamStandIn(torch.optim.Optimizer):
         assert unscaled.dtype == (torch.int16 if remainders else torch.float32)
         if state_name not in self.state[param]:
             self._initialize_state(param, state_name, False, remainders)
-        target = self.state[param][state_name]
+        target = _local(self.state[param][state_name])
         dtype = self.name_to_dtype_map[state_name]
         if dtype == torch.bfloat16:
             target.copy_(unscaled.bfloat16())
@@ -122,7 +148,7 @@ class FusedAdamStandIn(torch.optim.Optimizer):
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
         """Return the FP32 (or int16 remainder) tensor itself, or an FP32 copy of a BF16 state."""
-        state = self.state[param][state_name]
+        state = _local(self.state[param][state_name])
         return state if state.dtype in (torch.float32, torch.int16) else state.float()
 
     def state_dict(self) -> Dict[str, Any]:
@@ -136,6 +162,11 @@ class FusedAdamStandIn(torch.optim.Optimizer):
                     name: self.get_unscaled_state(param, name)
                     for name in state_dict["state"][state_id]
                 }
+                if isinstance(param, DTensor):
+                    state_dict["state"][state_id] = {
+                        name: _as_dtensor_like(param, value)
+                        for name, value in state_dict["state"][state_id].items()
+                    }
         return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -150,6 +181,7 @@ class FusedAdamStandIn(torch.optim.Optimizer):
                 for name, value in incoming.items():
                     if value is None and self.te_release >= (2, 0):
                         continue
+                    value = _local(value)
                     if self._keeps_remainders(param, name):
                         self.set_scaled_state(param, name, value)
                     else:
@@ -168,17 +200,17 @@ class FusedAdamStandIn(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                state = self.state[param]
+                state, local_param = self.state[param], _local(param)
                 for name in ("exp_avg", "exp_avg_sq"):
                     if name not in state:
                         self._initialize_state(param, name, zero_buffer=True)
                 exp_avg = self.get_unscaled_state(param, "exp_avg")
                 exp_avg_sq = self.get_unscaled_state(param, "exp_avg_sq")
-                grad = param.grad.float()
+                grad = _local(param.grad).float()
                 exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 denom = (exp_avg_sq / bias_correction2).sqrt_().add_(group["eps"])
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.addcdiv_(exp_avg, denom, value=-group["lr"] / bias_correction1)
-                state["exp_avg"].copy_(exp_avg)
-                state["exp_avg_sq"].copy_(exp_avg_sq)
+                local_param.mul_(1 - group["lr"] * group["weight_decay"])
+                local_param.addcdiv_(exp_avg, denom, value=-group["lr"] / bias_correction1)
+                _local(state["exp_avg"]).copy_(exp_avg)
+                _local(state["exp_avg_sq"]).copy_(exp_avg_sq)

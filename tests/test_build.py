@@ -33,6 +33,7 @@ PATCH_FILE = (
 )
 DISTRIB_OPTIMIZER = "megatron/core/optimizer/distrib_optimizer.py"
 OPTIMIZER_CONFIG = "megatron/core/optimizer/optimizer_config.py"
+OPTIMIZER = "megatron/core/optimizer/optimizer.py"
 UPSTREAM_CACHE_DIR = REPO_ROOT / "build" / "upstream"
 SUPPORTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.0", "0.19.2")
 
@@ -362,6 +363,7 @@ def test_patches_apply_with_fuzz_0_and_compose_each_release(version: str, tmp_pa
     with zipfile.ZipFile(upstream_wheel) as archive:
         archive.extract(DISTRIB_OPTIMIZER, tree)
         archive.extract(OPTIMIZER_CONFIG, tree)
+        archive.extract(OPTIMIZER, tree)
     original = (tree / DISTRIB_OPTIMIZER).read_text(encoding="utf-8")
     patching.apply_patches(tree, patches)  # dry run, then apply; raises PatchError naming hunks
     patched = (tree / DISTRIB_OPTIMIZER).read_text(encoding="utf-8")
@@ -370,11 +372,17 @@ def test_patches_apply_with_fuzz_0_and_compose_each_release(version: str, tmp_pa
     assert "load_inner_optimizer_state_dict" in _state_adoption_imports(patched)
     assert "        self.optimizer.load_state_dict(\n            {\"state\"" not in patched
     assert "\n    optimizer_state_adoption: bool = True\n" in config
+    non_distributed = (tree / OPTIMIZER).read_text(encoding="utf-8")
+    assert "from .state_adoption import load_inner_optimizer_state_dict\n" in non_distributed
+    assert non_distributed.count("load_inner_optimizer_state_dict(self, state_dict") == 2
+    assert "self.optimizer.load_state_dict(state_dict" not in non_distributed
+    assert patched.count("load_inner_optimizer_state_dict(self, state_dict)") == 1  # Megatron-FSDP
     wheel = compose.compose_wheel(upstream_wheel, REPO_ROOT, patches, tmp_path / "out")
     assert wheel.name == upstream_wheel.name.replace(f"-{version}-", f"-{version}+stateadoption-")
     with zipfile.ZipFile(wheel) as composed:
         assert composed.read(DISTRIB_OPTIMIZER).decode("utf-8") == patched
         assert composed.read(OPTIMIZER_CONFIG).decode("utf-8") == config
+        assert composed.read(OPTIMIZER).decode("utf-8") == non_distributed
 
 
 # metadata conversion used by setup.py (no upstream wheel needed)

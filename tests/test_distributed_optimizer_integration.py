@@ -4,10 +4,11 @@ These are the routing tests CI runs against every supported megatron-core releas
 against the composed X+stateadoption and fail (never error) against unpatched upstream X with
 this subsystem copied in, where nothing consults the registry and no outcome is recorded.
 
-A full DistributedOptimizer needs CUDA buffers, so ``CpuDistributedOptimizer`` subclasses the
-installed class and only sets what ``load_state_dict`` reads on the path where the inner
-optimizer's state is already initialised (MCore's second load pass). ``load_state_dict``
-itself is the installed, unmodified method. What each hook point did is read from the
+A full DistributedOptimizer needs CUDA buffers, so ``CpuDistributedOptimizer``
+(:mod:`mcore_owners`) subclasses the installed class and only sets what ``load_state_dict``
+reads on the path where the inner optimizer's state is already initialised (MCore's second load
+pass). ``load_state_dict`` itself is the installed, unmodified method. The other call sites
+(Megatron-FSDP, the non-distributed optimizers) are in test_call_site_integration.py. What each hook point did is read from the
 outcomes (``register_outcome_hook``), not from log text.
 """
 
@@ -19,11 +20,11 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 from adopters_for_tests import HalfInstallingAdopter, PyTorchLoaderAdopter
-from builders import config_with, ddp_config_with
+from builders import config_with
+from mcore_owners import MCORE_PARAM_GROUP_KEYS, CpuDistributedOptimizer
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer import ChainedOptimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.state_adoption import (
     StateAdoptionOutcome,
@@ -33,26 +34,6 @@ from megatron.core.optimizer.state_adoption import (
 
 DISABLE_ENV_VAR = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
 ADOPTION_LOGGER = "megatron.core.optimizer.state_adoption"
-
-
-class CpuDistributedOptimizer(DistributedOptimizer):
-    """The installed DistributedOptimizer with only the attributes load_state_dict reads."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, ddp_config: Any) -> None:
-        self.optimizer = optimizer
-        self.config = config
-        self.ddp_config = ddp_config
-        self.grad_scaler = None
-        self.is_stub_optimizer = False
-
-
-#: The keys MCore's ``_get_param_groups`` puts in every param group (0.16.1 to 0.19.2).
-#: ``load_state_dict`` pairs saved and current groups by some of them; before 0.19 it
-#: raises ``ValueError: Key wd_mult (or pre_wd_mult) not found`` for a group without them.
-MCORE_PARAM_GROUP_KEYS: Dict[str, Any] = {
-    "is_expert_parallel": False, "default_config": True, "wd_mult": 1.0, "lr_mult": 1.0,
-    "is_decoupled_lr": False, "max_lr": 1e-3, "min_lr": 0.0,
-}  # fmt: skip
 
 
 def _trained_adam(seed: int) -> torch.optim.Adam:
@@ -223,14 +204,6 @@ def test_chained_optimizer_goes_through_each_distributed_optimizer(
     assert [c.optimizer for c in adam_adopter.adopted] == [dense.optimizer, expert.optimizer]
     loads = [o.optimizer for o in outcomes if o.hook_point == "load"]
     assert [label.split()[1] for label in loads] == [f"{id(dense.optimizer):#x}", f"{id(expert.optimizer):#x}"]
-
-
-def test_megatron_fsdp_path_is_unchanged(adam_adopter: PyTorchLoaderAdopter) -> None:
-    distributed = CpuDistributedOptimizer(
-        _trained_adam(0), OptimizerConfig(), ddp_config_with(use_megatron_fsdp=True)
-    )
-    distributed.load_state_dict(distributed.optimizer.state_dict())
-    assert adam_adopter.checked == []
 
 
 class _AdamExporter(PyTorchLoaderAdopter):

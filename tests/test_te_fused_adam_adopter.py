@@ -90,6 +90,18 @@ def test_accepts_the_standard_fp32_configuration() -> None:
     assert optimizer.allocations == 0 and len(optimizer.state) == 0
 
 
+@pytest.mark.parametrize(
+    "owner",
+    [{"ddp_config": None}, {"ddp_config": ddp_config_with(use_megatron_fsdp=True)}],
+    ids=["non-distributed owner (no DDP config)", "Megatron-FSDP owner"],
+)
+def test_accepts_fp32_moments_at_every_call_site(owner: Dict[str, Any]) -> None:
+    """FP32Optimizer/Float16OptimizerWithFloat16Params (no DDP config) and Megatron-FSDP hand
+    the loader the same FP32 moments; whether they are DTensors is a rule of their own."""
+    optimizer, state_dict = _eligible()
+    assert standin_adopter().decline_reason(make_context(optimizer, state_dict, **owner)) is None
+
+
 def test_the_loader_measures_moments_installed_by_reference(registry: StateAdopterRegistry) -> None:
     """Hole 6: the saving was the adopter's claim; the loader now measures it from storage
     identity (8 B x params installed by reference, none allocated) and names the optimizer."""
@@ -304,18 +316,7 @@ def _dtype_map(**dtypes: Any) -> Callable[[FusedAdamStandIn], None]:
 
 OWNER_CASES = {
     "stub owner": (_with_owner(is_stub_optimizer=True), "the DistributedOptimizer is a stub"),
-    "config unknown": (
-        _with_owner(config=None),
-        "the owner's OptimizerConfig or DistributedDataParallelConfig is unknown",
-    ),
-    "ddp config unknown": (
-        _with_owner(ddp_config=None),
-        "the owner's OptimizerConfig or DistributedDataParallelConfig is unknown",
-    ),
-    "megatron fsdp": (
-        _with_owner(ddp_config=ddp_config_with(use_megatron_fsdp=True)),
-        "use_megatron_fsdp is set: Megatron-FSDP manages the state",
-    ),
+    "config unknown": (_with_owner(config=None), "the owner's OptimizerConfig is unknown"),
     "cpu offload": (
         _with_owner(config=config_with(optimizer_cpu_offload=True)),
         "optimizer_cpu_offload is set: the optimizer is CPU-offloaded",
@@ -327,10 +328,6 @@ OWNER_CASES = {
     "config API drift": (
         _with_owner(config=types.SimpleNamespace(optimizer_cpu_offload=False)),
         "SimpleNamespace has no 'use_precision_aware_optimizer'",
-    ),
-    "ddp config API drift": (
-        _with_owner(ddp_config=types.SimpleNamespace()),
-        "SimpleNamespace has no 'use_megatron_fsdp'",
     ),
 }
 
@@ -404,7 +401,7 @@ PARAM_CASES = {
     ),
     "tensor-subclass param": (
         _with_optimizer(_changed(_replace_param(lambda p: p.detach().as_subclass(_TaggedTensor)))),
-        "parameter 0: is a _TaggedTensor, not a plain tensor",
+        "parameter 0: is a _TaggedTensor, not a plain tensor or a DTensor of one",
     ),
 }
 

@@ -345,8 +345,8 @@ def test_a_patch_changing_another_file_is_refused(
     monkeypatch.setattr(build_series, "REPO_ROOT", tmp_path)
     assert build_series.our_config_hunks()  # the real patches pass
     (tmp_path / "patches" / "0099-other.patch").write_text(
-        "--- a/megatron/core/optimizer/optimizer.py\n"
-        "+++ b/megatron/core/optimizer/optimizer.py\n"
+        "--- a/megatron/core/optimizer/grad_scaler.py\n"
+        "+++ b/megatron/core/optimizer/grad_scaler.py\n"
         "@@ -1,1 +1,2 @@\n"
         " import torch\n"
         "+import os\n"

@@ -69,8 +69,7 @@ def _context(**owner_overrides: Any) -> StateAdoptionContext:
     "overrides, reason",
     [
         ({"is_stub_optimizer": True}, "the DistributedOptimizer is a stub"),
-        ({"ddp_config": None}, "the owner's OptimizerConfig or DistributedDataParallelConfig is unknown"),
-        ({"config": None}, "the owner's OptimizerConfig or DistributedDataParallelConfig is unknown"),
+        ({"config": None}, "the owner's OptimizerConfig is unknown"),
         (
             {"ddp_config": ddp_config_with(use_megatron_fsdp=True)},
             "use_megatron_fsdp is set: Megatron-FSDP manages the state",
@@ -89,7 +88,7 @@ def _context(**owner_overrides: Any) -> StateAdoptionContext:
         ),
         ({"ddp_config": types.SimpleNamespace()}, "SimpleNamespace has no 'use_megatron_fsdp'"),
     ],
-    ids=["stub", "ddp config unknown", "config unknown", "fsdp", "cpu offload", "precision aware",
+    ids=["stub", "config unknown", "fsdp", "cpu offload", "precision aware",
          "flag missing", "fsdp flag missing"],  # fmt: skip
 )
 def test_owner_rules_decline_with_their_exact_reasons(overrides: Dict[str, Any], reason: str) -> None:
@@ -98,6 +97,22 @@ def test_owner_rules_decline_with_their_exact_reasons(overrides: Dict[str, Any],
 
 def test_owner_rules_default_to_the_fp32_mode() -> None:
     assert owner_decline_reason(_context()) is None
+
+
+def test_an_owner_without_a_ddp_config_is_a_non_distributed_optimizer_and_fits() -> None:
+    """Float16OptimizerWithFloat16Params and FP32Optimizer have no DDP config: their inner
+    optimizer holds the whole state of its parameters, which no DDP mode changes."""
+    assert owner_decline_reason(_context(ddp_config=None)) is None
+    assert owner_decline_reason(_context(ddp_config=None, config=None)) == "the owner's OptimizerConfig is unknown"
+
+
+def test_megatron_fsdp_fits_only_an_adopter_that_asks_for_it() -> None:
+    fsdp = _context(ddp_config=ddp_config_with(use_megatron_fsdp=True))
+    assert owner_decline_reason(fsdp) == "use_megatron_fsdp is set: Megatron-FSDP manages the state"
+    assert owner_decline_reason(fsdp, megatron_fsdp=True) is None
+    assert owner_decline_reason(_context(), megatron_fsdp=True) is None  # and the other modes still
+    offloaded = _context(ddp_config=ddp_config_with(use_megatron_fsdp=True), config=config_with(optimizer_cpu_offload=True))
+    assert owner_decline_reason(offloaded, megatron_fsdp=True) == "optimizer_cpu_offload is set: the optimizer is CPU-offloaded"
     assert owner_decline_reason(_context(), precision_aware=True) == "use_precision_aware_optimizer is not set"
     aware = types.SimpleNamespace(optimizer_cpu_offload=False, use_precision_aware_optimizer=True)
     assert owner_decline_reason(_context(config=aware), precision_aware=True) is None

@@ -64,6 +64,8 @@ MANIFEST = UPSTREAM_DIR / "series.json"
 
 SUBSYSTEM = "megatron/core/optimizer/state_adoption"
 CALL_SITE = "megatron/core/optimizer/distrib_optimizer.py"
+NON_DISTRIBUTED_FILE = "megatron/core/optimizer/optimizer.py"
+"""Float16OptimizerWithFloat16Params and FP32Optimizer: their load_state_dict calls."""
 CONFIG_FILE = "megatron/core/optimizer/optimizer_config.py"
 CONFIG_CLASS = "OptimizerConfig"
 ARGUMENTS_FILE = "megatron/training/arguments.py"
@@ -75,9 +77,9 @@ DOCS_INDEX = "docs/api-guide/core/index.md"
 DOCS_PAGE = "docs/api-guide/core/optimizer_state_adoption.md"
 TESTS_ROOT = "tests/unit_tests"
 BRANCHES = ("main", "dev")
-PATCHED_FILES = (CALL_SITE, CONFIG_FILE)
+PATCHED_FILES = (CALL_SITE, NON_DISTRIBUTED_FILE, CONFIG_FILE)
 """The files ``patches/*.patch`` may change; a patch changing any other is refused."""
-TOUCHED_UPSTREAM_FILES = (CALL_SITE, CONFIG_FILE, ARGUMENTS_FILE, DOCS_INDEX)
+TOUCHED_UPSTREAM_FILES = (CALL_SITE, NON_DISTRIBUTED_FILE, CONFIG_FILE, ARGUMENTS_FILE, DOCS_INDEX)
 """The snapshot files the series changes (the base commit of the series holds exactly these)."""
 CHECKED_UPSTREAM_FILES = (TRAINING_FILE,)
 """Snapshot files the generator reads to check an assumption, but does not change."""
@@ -87,6 +89,8 @@ PYTHON_HEADER = "# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All right
 SERIES_DATE = "2026-11-29T12:00:00+00:00"
 """Author and committer date of every commit in the series (keeps the patches reproducible)."""
 
+DIRECT_LOAD = re.compile(r"\s*self\.optimizer\.load_state_dict\(state_dict(\[optimizer_key\])?\)$")
+"""A line handing the given state dict (or its optimizer part) straight to the inner optimizer."""
 OFFLOADER_GUARD = "if self._optimizer_state_offloader is None:"
 OFFLOADER_LOADER = "self._optimizer_state_offloader.load_state_dict_without_device_cast("
 OFFLOADER_TEST_SUFFIX = "_offloader.py"
@@ -115,10 +119,14 @@ class Hunk:
 
     @property
     def kind(self) -> str:
-        """``import`` (pure insertion), ``export`` or ``load`` (which inner call it replaces)."""
+        """``import`` (pure insertion), ``export`` or ``load`` (which inner call it replaces),
+        or ``direct_load``: one line handing the given state dict straight to the inner
+        optimizer (the Megatron-FSDP branch, the non-distributed optimizers)."""
         removed = "\n".join(self.removed)
         if not self.removed:
             return "import"
+        if len(self.removed) == 1 and DIRECT_LOAD.match(self.removed[0]):
+            return "direct_load"
         if "self.optimizer.load_state_dict(" in removed:
             return "load"
         if "self.optimizer.state_dict()" in removed:
@@ -201,6 +209,11 @@ def _our_hunks(path: str) -> List[Hunk]:
 def our_call_site_hunks() -> List[Hunk]:
     """The hunks of ``patches/*.patch`` for the call site, in patch order."""
     return _our_hunks(CALL_SITE)
+
+
+def our_non_distributed_hunks() -> List[Hunk]:
+    """The hunks of ``patches/*.patch`` for ``optimizer.py``, in patch order."""
+    return _our_hunks(NON_DISTRIBUTED_FILE)
 
 
 def our_config_hunks() -> List[Hunk]:
@@ -286,6 +299,36 @@ def _apply_export_keeping_offloader(text: str, hunk: Hunk) -> str:
     )
 
 
+def _apply_direct_load(text: str, hunk: Hunk, where: Tuple[int, int]) -> str:
+    """Replace the one line inside ``where`` that is the hunk's removed line (compared without
+    indentation), keeping that line's indentation (on ``dev`` it sits inside the offloader's
+    guard, whose other branch stays as it is)."""
+    old, new = hunk.removed[0].strip(), hunk.added[0].strip()
+    start, end = where
+    lines = text[start:end].split("\n")
+    matches = [i for i, line in enumerate(lines) if line.strip() == old]
+    if len(matches) != 1:
+        raise SeriesError(f"direct_load hunk {old!r}: expected exactly one match, found {len(matches)}")
+    line = lines[matches[0]]
+    lines[matches[0]] = line[: len(line) - len(line.lstrip())] + new
+    return text[:start] + "\n".join(lines) + text[end:]
+
+
+def change_non_distributed_optimizers(text: str, hunks: Sequence[Hunk]) -> str:
+    """Apply our hunks to a snapshot's ``optimizer.py``: the import, and the one inner
+    ``load_state_dict`` call of ``Float16OptimizerWithFloat16Params`` and of ``FP32Optimizer``
+    (each call line occurs once in the file)."""
+    for hunk in hunks:
+        if hunk.kind == "import":
+            text = _apply_import(text, hunk)
+        elif hunk.kind == "direct_load":
+            text = _apply_direct_load(text, hunk, (0, len(text)))
+        else:
+            raise SeriesError(f"{NON_DISTRIBUTED_FILE}: unexpected {hunk.kind} hunk")
+    ast.parse(text)
+    return text
+
+
 def _new_callee(hunk: Hunk) -> str:
     """Name of the function our patch calls instead of the inner optimizer's method."""
     _, code = _split_comments(hunk.added)
@@ -345,6 +388,7 @@ def change_call_site(text: str, hunks: Sequence[Hunk]) -> str:
         "import": _apply_import,
         "export": _apply_export_keeping_offloader if offloader else _apply_plain,
         "load": _apply_load_keeping_offloader if offloader else _apply_plain,
+        "direct_load": lambda t, h: _apply_direct_load(t, h, _method_span(t, "load_state_dict")),
     }
     for hunk in hunks:
         text = appliers[hunk.kind](text, hunk)
@@ -361,7 +405,10 @@ def check_offloader_path_kept(text: str) -> None:
     if body.count(OFFLOADER_LOADER) != 1:
         raise SeriesError("the offloader's load_state_dict_without_device_cast call is gone")
     guards = body.count(OFFLOADER_GUARD)
-    new_calls = len(re.findall(r"\n\s+(?:\w+ = )?\w+_inner_optimizer_state_dict\(", body))
+    # the Megatron-FSDP branch's direct load never went to the offloader: it needs no guard
+    new_calls = len(
+        re.findall(r"\n\s+(?:\w+ = )?\w+_inner_optimizer_state_dict\((?!self, state_dict\)\n)", body)
+    )
     if new_calls != guards:
         raise SeriesError(f"{new_calls} subsystem calls but {guards} offloader guards")
 
@@ -814,8 +861,23 @@ MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1 and
 MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,... override it for a run.
 """
 
-CALL_SITE_SUBJECT = "Route DistributedOptimizer's inner state load through state adoption\n\n"
+CALL_SITE_SUBJECT = "Route inner-optimizer state loads through state adoption\n\n"
 CALL_SITE_BODY = {
+    ("direct_load", "export", "load"): """\
+Every place where Megatron Core hands loaded optimizer state to the
+inner optimizer now goes through the state-adoption registry:
+
+- DistributedOptimizer.load_state_dict reads the inner optimizer's
+  state with export_inner_optimizer_state_dict(self) and installs the
+  assembled state with load_inner_optimizer_state_dict(self, ...);
+- its Megatron-FSDP branch (fsdp_dtensor checkpoints) installs the
+  loaded DTensor state with load_inner_optimizer_state_dict(self, ...);
+- Float16OptimizerWithFloat16Params and FP32Optimizer (without the
+  distributed optimizer) do the same in their load_state_dict.
+
+With no adopter accepting, each call does exactly what the direct call
+did. Each call site is one small hunk; the logic stays in the subsystem.
+""",
     ("load",): """\
 DistributedOptimizer.load_state_dict now installs the assembled inner
 state with load_inner_optimizer_state_dict(self, ...) instead of calling
@@ -905,19 +967,22 @@ why this lives in Megatron Core rather than in Transformer Engine.
 COVER_SUBJECT = "Optimizer-state adoption for DistributedOptimizer checkpoint loading"
 
 COVER_INTRO = """\
-When a DistributedOptimizer with Transformer Engine's FusedAdam resumes
+When a Megatron optimizer with Transformer Engine's FusedAdam resumes
 from a checkpoint, FusedAdam.load_state_dict allocates a second copy of
 both Adam moments while the caller still holds the incoming ones: a
 transient 8 bytes per parameter on every rank. This series lets
-DistributedOptimizer hand the assembled inner state to registered state
-adopters; the default one installs FP32 moments by reference through
-PyTorch's loader instead. Every other configuration, and every case the
-loader cannot prove safe, runs the inner optimizer's own load_state_dict
-exactly as today.
+DistributedOptimizer (with or without Megatron-FSDP) and the
+non-distributed optimizers hand the loaded inner state to registered
+state adopters; the default one installs FP32 moments by reference
+through PyTorch's loader instead. Every other configuration, and every
+case the loader cannot prove safe, runs the inner optimizer's own
+load_state_dict exactly as today.
 
 1. the subsystem (megatron/core/optimizer/state_adoption/);
-2. the call site: one import and one small hunk per call in
-   DistributedOptimizer.load_state_dict;
+2. the call sites: one import and one small hunk per call in
+   DistributedOptimizer.load_state_dict (both branches, Megatron-FSDP
+   included) and in the load_state_dict of
+   Float16OptimizerWithFloat16Params and FP32Optimizer;
 3. the switch: OptimizerConfig.optimizer_state_adoption and
    --no-optimizer-state-adoption;
 4. unit tests (tests/unit_tests/optimizer/test_state_adoption.py);
@@ -1054,6 +1119,7 @@ class Snapshot:
 def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
     """The series for ``snapshot``: (commit message, files written) per commit, in order."""
     hunks = our_call_site_hunks()
+    non_distributed_hunks = our_non_distributed_hunks()
     config_hunks = our_config_hunks()
     switch = adoption_switch(config_hunks)
     if set(snapshot.checked) != set(CHECKED_UPSTREAM_FILES):
@@ -1066,7 +1132,15 @@ def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
     page = Path(DOCS_PAGE).stem
     return [
         (SUBSYSTEM_MESSAGE, subsystem_files()),
-        (call_site_message(hunks, offloader), {CALL_SITE: change_call_site(call_site, hunks)}),
+        (
+            call_site_message([*hunks, *non_distributed_hunks], offloader),
+            {
+                CALL_SITE: change_call_site(call_site, hunks),
+                NON_DISTRIBUTED_FILE: change_non_distributed_optimizers(
+                    snapshot.files[NON_DISTRIBUTED_FILE], non_distributed_hunks
+                ),
+            },
+        ),
         (
             CONFIG_MESSAGE,
             {

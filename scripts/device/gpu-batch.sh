@@ -14,6 +14,9 @@
 #   bash scripts/device/gpu-batch.sh 3   # one GPU (nvidia-h200), session 10: default-size FP32
 #                                        # dp_reshardable and precision-aware with the plugin,
 #                                        # Bridge-like instance loader (small), the GPU tests
+#   bash scripts/device/gpu-batch.sh 4   # one GPU: the call sites of issue #19 (Megatron-FSDP,
+#                                        # non-distributed BF16 and FP32, CPU offload), upstream
+#                                        # against the build (PRESET=small; GPU_TESTS=1 adds them)
 # Needs .gpu/ from scripts/device/make-bundle.sh. LANE_SECONDS bounds every lane (default 530).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -105,6 +108,16 @@ case $batch in
   lane eval 'bench pa-plugin-default /tmp/mc-upstream /tmp/mc-plugin --gpus 0 --cases precision_aware_bf16'
   lane eval 'small bridge-like-small --gpus 0 --instance-loader bridge-like --cases dp_reshardable'
   lane eval 'PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1; PYTHONPATH=/tmp/mc-build:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest tests/gpu/test_mcore_resume_gpu.py -q -rA -p no:cacheprovider > "$res/gpu-tests-build-only.log" 2>&1'
+  ;;
+4)  # one GPU: issue #19's call sites, upstream against the build, a lane per path
+  sites() {  # sites PATH: python -m benchmarks.resume_benchmark.call_sites for one path
+    timeout "$limit" python3 -m benchmarks.resume_benchmark.call_sites --upstream /tmp/mc-upstream \
+      --build /tmp/mc-build --paths "$1" --preset "${PRESET:-small}" --work-dir "/tmp/work-4-$1" \
+      --json-out "$res/call-sites-$1.json" --markdown-out "$res/call-sites-$1.md" > "$res/call-sites-$1.log" 2>&1
+    echo "call-sites-$1 exit $?" >> "$res/exits.txt"; cp -r "/tmp/work-4-$1" "$res/raw-$1" 2>/dev/null
+  }
+  for p in megatron_fsdp float16_wrapper fp32_wrapper cpu_offload; do lane sites $p; done
+  [[ -n "${GPU_TESTS:-}" ]] && lane eval 'PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1'
   ;;
 *) echo "unknown batch $batch" >&2; exit 2 ;;
 esac

@@ -1,7 +1,9 @@
 """The state adopter and exporter protocols, and the contexts they are given.
 
-A *state adopter* installs an inner optimizer's state while a ``DistributedOptimizer`` loads
-a checkpoint, instead of the inner optimizer's own ``load_state_dict``. Its purpose is to
+A *state adopter* installs an inner optimizer's state while a Megatron optimizer (a
+``DistributedOptimizer``, with or without Megatron-FSDP, or a non-distributed
+``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer``) loads a checkpoint, instead of the
+inner optimizer's own ``load_state_dict``. Its purpose is to
 avoid work the own loader would do needlessly, e.g. allocating a second copy of tensors that
 already have the exact dtype, device and shape the optimizer uses.
 
@@ -46,7 +48,7 @@ class StateExportContext:
             FusedAdam).
         config (OptimizerConfig, optional): the owner's config; None without an owner.
         ddp_config (DistributedDataParallelConfig, optional): the config of the owner's
-            model chunks; None when unknown.
+            model chunks; None for an owner without one (the non-distributed optimizers).
         is_stub_optimizer (bool): True when the owner is a stub without real parameters.
     """
 
@@ -60,8 +62,7 @@ class StateExportContext:
         """Build the context for the inner optimizer of ``owner``.
 
         Args:
-            owner (Any): a ``DistributedOptimizer`` (anything with an ``optimizer``
-                attribute; ``config``, ``ddp_config`` and ``is_stub_optimizer`` are read
+            owner (Any): a Megatron optimizer (anything with an ``optimizer`` attribute; ``config``, ``ddp_config`` and ``is_stub_optimizer`` are read
                 when present).
             **fields (Any): the fields of a subclass, e.g. ``state_dict``.
 

@@ -1,9 +1,12 @@
-"""The two functions ``DistributedOptimizer.load_state_dict`` calls.
+"""The two functions Megatron-Core's optimizers call while they load a checkpoint.
 
-:func:`export_inner_optimizer_state_dict` stands where it reads the inner optimizer's state
-dict, :func:`load_inner_optimizer_state_dict` where it loads the assembled state into the
-inner optimizer. Each offers the call to the registered adopters in order; the first that
-accepts handles it. The inner optimizer's own ``state_dict``/``load_state_dict`` runs, exactly
+:func:`load_inner_optimizer_state_dict` stands wherever MCore hands loaded state to the inner
+optimizer's ``load_state_dict``: both branches of ``DistributedOptimizer.load_state_dict``
+(its shards, and Megatron-FSDP's DTensors) and the ``load_state_dict`` of
+``Float16OptimizerWithFloat16Params`` and ``FP32Optimizer`` (without the distributed optimizer).
+:func:`export_inner_optimizer_state_dict` stands where ``DistributedOptimizer.load_state_dict``
+reads the inner optimizer's state dict. Each offers the call to the registered adopters in
+order; the first that accepts handles it. The inner optimizer's own ``state_dict``/``load_state_dict`` runs, exactly
 as it would without this module, when
 
 * adoption is switched off: ``OptimizerConfig.optimizer_state_adoption = False``, or, for the
@@ -149,7 +152,7 @@ def _describe(optimizer: torch.optim.Optimizer) -> str:
     name = f"{type(optimizer).__name__} {id(optimizer):#x}"
     try:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        elements = sum(p.numel() for p in params)
+        elements = sum(_local(p).numel() for p in params)
     except Exception:  # a malformed optimizer is reported by its own loader
         return name
     return f"{name} ({len(params)} params, {elements:,} elements)"
@@ -625,7 +628,9 @@ def load_inner_optimizer_state_dict(
     """Load ``state_dict`` into ``owner.optimizer`` through the first accepting adopter.
 
     Args:
-        owner (Any): the ``DistributedOptimizer`` whose inner optimizer is loaded.
+        owner (Any): the Megatron optimizer whose inner optimizer is loaded (a
+            ``DistributedOptimizer``, ``Float16OptimizerWithFloat16Params`` or
+            ``FP32Optimizer``).
         state_dict (Dict[str, Any]): the assembled ``{"state", "param_groups"}`` dict.
         registry (StateAdopterRegistry, optional): the adopters to consult; defaults to the
             process-wide registry.

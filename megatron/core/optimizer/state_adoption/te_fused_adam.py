@@ -9,6 +9,12 @@ TE's ``step`` uses FP32 state tensors as they are. This adopter then runs only P
 loader, which installs them by reference, and skips the copy. Any other configuration is
 declined and keeps TE's own loader.
 
+The same holds for every owner that hands loaded moments to the loader: the
+``DistributedOptimizer`` (its shards), Megatron-FSDP (DTensors, which TE's loader unwraps to
+their local shards and wraps again with the parameter's mesh and placements; an incoming
+DTensor laid out like its parameter is what that gives), and the non-distributed
+``Float16OptimizerWithFloat16Params`` and ``FP32Optimizer`` (whole tensors).
+
 Transformer Engine releases (docs/te-releases.md records what each one does): every release
 from 1.13 to 2.20 allocates and copies on load and never casts or scales FP32 state.
 ``name_to_dtype_map`` and the boolean ``master_weights`` exist since 1.13.
@@ -28,6 +34,7 @@ from megatron.core.utils import get_te_version
 from .adopter import StateAdoptionContext
 from .validation import (
     ExpectedState,
+    _local_tensor,
     first_decline_reason,
     incoming_state_decline_reason,
     owner_decline_reason,
@@ -137,7 +144,7 @@ class TEFusedAdamFP32StateAdopter:
         """
         return first_decline_reason(
             (
-                lambda: owner_decline_reason(context, precision_aware=False),
+                lambda: owner_decline_reason(context, precision_aware=False, megatron_fsdp=True),
                 lambda: te_fused_adam_decline_reason(context.optimizer, self._fused_adam_class),
                 lambda: _fp32_settings_decline_reason(context.optimizer, self._te_release()),
                 lambda: incoming_state_decline_reason(
@@ -170,9 +177,11 @@ class TEFusedAdamFP32StateAdopter:
             return None
 
     def _param_decline_reason(self, param: torch.Tensor) -> Optional[str]:
-        """Accept plain FP32 parameters on the expected device type."""
-        if type(param) not in (torch.Tensor, torch.nn.Parameter):
-            return f"is a {type(param).__name__}, not a plain tensor"
+        """Accept plain FP32 parameters on the expected device type, or DTensor parameters
+        whose local shard is one (Megatron-FSDP's)."""
+        local = _local_tensor(param)
+        if type(local) not in (torch.Tensor, torch.nn.Parameter):
+            return f"is a {type(param).__name__}, not a plain tensor or a DTensor of one"
         if param.dtype != torch.float32:
             return f"is {param.dtype}, not torch.float32"
         if param.device.type != self._param_device_type:

@@ -5,8 +5,8 @@ adopter's ``decline_reason`` chains them with :func:`first_decline_reason`. Each
 encodes a rule that an adopter must follow to leave the optimizer exactly as its own loader
 would, and that is easy to get subtly wrong:
 
-* :func:`owner_decline_reason` -- the ``DistributedOptimizer`` modes whose state layout the
-  adopter cannot know (stub, Megatron-FSDP, CPU offload, the other precision mode);
+* :func:`owner_decline_reason` -- the owner modes whose state layout the adopter cannot know
+  (stub, CPU offload, the other precision mode, Megatron-FSDP unless it asks for it);
 * :func:`param_state_pairs` -- which incoming entry belongs to which parameter, as PyTorch's
   loader pairs them;
 * :func:`one_entry_per_param_decline_reason`, :func:`state_entry_decline_reason` and
@@ -78,25 +78,33 @@ def first_decline_reason(checks: Iterable[Callable[[], Optional[str]]]) -> Optio
 
 
 def owner_decline_reason(
-    context: Union[StateAdoptionContext, StateExportContext], precision_aware: bool = False
+    context: Union[StateAdoptionContext, StateExportContext],
+    precision_aware: bool = False,
+    megatron_fsdp: bool = False,
 ) -> Optional[str]:
-    """Decline stub, Megatron-FSDP and CPU-offloaded owners, and the other precision mode.
+    """Decline stub and CPU-offloaded owners, the other precision mode, and Megatron-FSDP
+    unless the adopter handles it.
+
+    An owner without a ``DistributedDataParallelConfig`` (``context.ddp_config`` is None) is one
+    of the non-distributed optimizers (``Float16OptimizerWithFloat16Params``,
+    ``FP32Optimizer``), whose inner optimizer holds the whole state of its parameters.
 
     Args:
         context (StateAdoptionContext or StateExportContext): the context to check.
         precision_aware (bool): whether the adopter handles the precision-aware optimizer
             (then it requires ``config.use_precision_aware_optimizer``) or not (then it
             requires that flag to be off).
+        megatron_fsdp (bool): whether the adopter also handles Megatron-FSDP
+            (``ddp_config.use_megatron_fsdp``), whose state is DTensors of local shards.
 
     Returns:
         Optional[str]: None if the owner's mode fits, otherwise why not.
     """
     if context.is_stub_optimizer:
         return "the DistributedOptimizer is a stub"
-    if context.config is None or context.ddp_config is None:
-        return "the owner's OptimizerConfig or DistributedDataParallelConfig is unknown"
-    owner_flags = (
-        (context.ddp_config, "use_megatron_fsdp", False, "Megatron-FSDP manages the state"),
+    if context.config is None:
+        return "the owner's OptimizerConfig is unknown"
+    owner_flags = [
         (context.config, "optimizer_cpu_offload", False, "the optimizer is CPU-offloaded"),
         (
             context.config,
@@ -104,7 +112,11 @@ def owner_decline_reason(
             precision_aware,
             "the optimizer is precision-aware",
         ),
-    )
+    ]
+    if context.ddp_config is not None and not megatron_fsdp:
+        owner_flags.insert(
+            0, (context.ddp_config, "use_megatron_fsdp", False, "Megatron-FSDP manages the state")
+        )
     for config, flag, required, meaning in owner_flags:
         if not hasattr(config, flag):
             return f"{type(config).__name__} has no '{flag}'"
@@ -161,15 +173,61 @@ def param_state_pairs(
             yield index, param, incoming_state[state_id]
 
 
+def _dtensor_class() -> Optional[type]:
+    """PyTorch's DTensor class, or None in a build without ``torch.distributed``."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (Megatron-FSDP's parameters and state are)."""
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or a DTensor's local shard (the tensor that holds its memory)."""
+    if not _is_dtensor(tensor):
+        return tensor
+    dtensor: Any = tensor
+    local: torch.Tensor = dtensor.to_local()
+    return local
+
+
 def _storage_ptr(tensor: torch.Tensor) -> int:
-    """Return the address of ``tensor``'s storage (0 for an empty storage)."""
-    return int(tensor.untyped_storage().data_ptr())
+    """Return the address of ``tensor``'s storage, a DTensor's local one (0 when empty)."""
+    return int(_local_tensor(tensor).untyped_storage().data_ptr())
+
+
+def _dtensor_decline_reason(tensor: Any, like: torch.Tensor) -> Optional[str]:
+    """Accept a DTensor laid out as the DTensor parameter ``like`` is: the same device mesh,
+    placements, global shape and stride (what TE's loader gives every state DTensor)."""
+    if not _is_dtensor(tensor):
+        return f"is a {type(tensor).__name__}, the parameter a DTensor"
+    for attribute in ("device_mesh", "placements"):
+        if getattr(tensor, attribute) != getattr(like, attribute):
+            return f"has another {attribute} than the parameter"
+    if tensor.shape != like.shape or tensor.stride() != like.stride():
+        return (
+            f"has global shape {tuple(tensor.shape)} and stride {tensor.stride()}, the "
+            f"parameter {tuple(like.shape)} and {like.stride()}"
+        )
+    return None
 
 
 def _plain_tensor_decline_reason(
     tensor: Any, dtype: torch.dtype, like: torch.Tensor
 ) -> Optional[str]:
-    """Accept a dense, contiguous ``dtype`` tensor placed and shaped like ``like``."""
+    """Accept a dense, contiguous ``dtype`` tensor placed and shaped like ``like``; for a
+    DTensor parameter, a DTensor laid out like it whose local shard is such a tensor."""
+    if _is_dtensor(like):
+        reason = _dtensor_decline_reason(tensor, like)
+        if reason is not None:
+            return reason
+        tensor, like = _local_tensor(tensor), _local_tensor(like)
     if type(tensor) is not torch.Tensor:
         return f"is a {type(tensor).__name__}, not a plain torch.Tensor"
     if tensor.is_quantized:
@@ -205,6 +263,8 @@ def _paired_entries_decline_reason(
     for index, (state_id, param) in enumerate(zip(incoming_ids, _optimizer_params(optimizer))):
         reason = param_decline_reason(param)
         if reason is None and state_id not in incoming_state:
+            if _local_tensor(param).numel() == 0:
+                continue  # an empty shard has no state (Megatron-FSDP creates none for it)
             reason = "has no incoming state"
         if reason is None and entry_decline_reason is not None:
             reason = entry_decline_reason(param, incoming_state[state_id])
@@ -221,7 +281,8 @@ def one_entry_per_param_decline_reason(
     state_dict: Mapping[str, Any],
     param_decline_reason: _ParamRule,
 ) -> Optional[str]:
-    """Require matching param groups, accepted parameters and one state entry per parameter.
+    """Require matching param groups, accepted parameters and one state entry per parameter
+    (none for a parameter whose local shard is empty, as Megatron-FSDP leaves it).
 
     Args:
         optimizer (torch.optim.Optimizer): the inner optimizer.
@@ -257,7 +318,7 @@ def incoming_state_decline_reason(
         Optional[str]: None if everything can be adopted, otherwise the first problem.
     """
     seen_storages: Set[int] = {
-        _storage_ptr(p) for p in _optimizer_params(optimizer) if p.nbytes > 0
+        _storage_ptr(p) for p in _optimizer_params(optimizer) if _local_tensor(p).nbytes > 0
     }
     return _paired_entries_decline_reason(
         optimizer,
@@ -297,7 +358,7 @@ def state_entry_decline_reason(
         reason = _plain_tensor_decline_reason(entry[key], dtype, param)
         if reason is not None:
             return f"{key} {reason}"
-        if entry[key].nbytes > 0:
+        if _local_tensor(entry[key]).nbytes > 0:
             storage = _storage_ptr(entry[key])
             if storage in seen_storages:
                 return f"{key} shares storage with a parameter or another state tensor"

@@ -2,7 +2,8 @@
 
 """Tests for optimizer state adoption (``megatron.core.optimizer.state_adoption``).
 
-``DistributedOptimizer.load_state_dict`` hands the assembled inner state to
+``DistributedOptimizer.load_state_dict`` (both its branches) and the ``load_state_dict`` of
+``Float16OptimizerWithFloat16Params`` and ``FP32Optimizer`` hand the loaded inner state to
 ``load_inner_optimizer_state_dict``: the first registered adopter that accepts installs it,
 otherwise the inner optimizer's own ``load_state_dict`` runs. The registry, loader and
 fail-safety tests use ``torch.optim.Adam`` on CPU and an isolated ``StateAdopterRegistry``;
@@ -22,7 +23,11 @@ from megatron.core.dist_checkpointing import load, save
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import param_group_identifier_keys
+from megatron.core.optimizer.optimizer import (
+    FP32Optimizer,
+    Float16OptimizerWithFloat16Params,
+    param_group_identifier_keys,
+)
 from megatron.core.optimizer.state_adoption import (
     StateAdopterRegistry,
     StateAdoptionContext,
@@ -770,17 +775,100 @@ class TestDistributedOptimizerCallSite:
             assert outcome.fallback_reason == "OptimizerConfig.optimizer_state_adoption is False"
         assert _loads(outcomes)[0].method == "Adam.load_state_dict"
 
-    def test_megatron_fsdp_path_is_unchanged(self, register, outcomes):
+    def test_megatron_fsdp_branch_consults_the_registry(self, register, outcomes):
         adopter = RecordingAdopter("test_accepting")
         register(adopter)
         distributed = _bare_distributed_optimizer(_trained_adam(0))
         distributed.ddp_config.use_megatron_fsdp = True
         source = _trained_adam(1)
+        incoming = _independent_copy(source.state_dict())
 
-        distributed.load_state_dict(source.state_dict())
+        distributed.load_state_dict(incoming)
 
-        assert adopter.checked == [] and outcomes == []
+        assert [c.optimizer for c in adopter.adopted] == [distributed.optimizer]
+        assert adopter.adopted[0].ddp_config.use_megatron_fsdp
+        assert [(o.hook_point, o.adopter) for o in outcomes] == [("load", "test_accepting")]
+        assert all(a is b for a, b in zip(_moments(distributed.optimizer), _moments_of(incoming)))
         _assert_same_state(distributed.optimizer, source)
+
+
+def _bare_float16_optimizer(inner, **config_overrides):
+    """A Float16OptimizerWithFloat16Params with what load_state_dict reads."""
+    optimizer = object.__new__(Float16OptimizerWithFloat16Params)
+    optimizer.optimizer = inner
+    optimizer.config = OptimizerConfig(**config_overrides)
+    optimizer.grad_scaler = None
+    optimizer.fp32_from_float16_groups = [list(g["params"]) for g in inner.param_groups]
+    return optimizer
+
+
+def _bare_fp32_optimizer(inner, **config_overrides):
+    """An FP32Optimizer with what load_state_dict reads."""
+    optimizer = object.__new__(FP32Optimizer)
+    optimizer.optimizer = inner
+    optimizer.config = OptimizerConfig(**config_overrides)
+    return optimizer
+
+
+def _non_distributed_state_dict(owner, inner_state_dict):
+    """What MCore hands a non-distributed optimizer's load_state_dict."""
+    if isinstance(owner, FP32Optimizer):
+        return inner_state_dict
+    main_params = [[p.detach().clone() for p in g["params"]] for g in owner.optimizer.param_groups]
+    return {"optimizer": inner_state_dict, "fp32_from_fp16_params": main_params}
+
+
+@pytest.mark.parametrize("make_owner", [_bare_float16_optimizer, _bare_fp32_optimizer])
+class TestNonDistributedOptimizerCallSites:
+    """Without the distributed optimizer, Float16OptimizerWithFloat16Params and FP32Optimizer
+    hand the loaded inner state to the registry as well."""
+
+    def test_load_state_dict_consults_the_registry(self, make_owner, register, outcomes):
+        adopter = RecordingAdopter("test_accepting")
+        register(adopter)
+        owner = make_owner(_trained_adam(0))
+        source = _trained_adam(1)
+        incoming = _independent_copy(source.state_dict())
+
+        owner.load_state_dict(_non_distributed_state_dict(owner, incoming))
+
+        assert [c.optimizer for c in adopter.adopted] == [owner.optimizer]
+        assert adopter.adopted[0].config is owner.config
+        assert adopter.adopted[0].ddp_config is None
+        assert [(o.hook_point, o.adopter) for o in outcomes] == [("load", "test_accepting")]
+        assert all(a is b for a, b in zip(_moments(owner.optimizer), _moments_of(incoming)))
+        _assert_same_state(owner.optimizer, source)
+
+    def test_config_switch_off_uses_the_own_loader(self, make_owner, register, outcomes):
+        adopter = RecordingAdopter("test_accepting")
+        register(adopter)
+        owner = make_owner(_trained_adam(0), optimizer_state_adoption=False)
+        source = _trained_adam(1)
+
+        owner.load_state_dict(_non_distributed_state_dict(owner, source.state_dict()))
+
+        assert adopter.checked == []
+        assert [(o.adopter, o.method) for o in outcomes] == [(None, "Adam.load_state_dict")]
+        _assert_same_state(owner.optimizer, source)
+
+    @requires_te_on_cuda
+    def test_te_fused_adam_fp32_moments_are_installed_by_reference(self, make_owner, outcomes):
+        source = _trained_te_fused_adam(seed=1)
+        target, _ = _te_fused_adam(seed=0)
+        for group in target.param_groups:
+            group.update({key: None for key in param_group_identifier_keys})
+        incoming = _independent_copy(source.state_dict())
+        for group in incoming["param_groups"]:
+            group.update({key: None for key in param_group_identifier_keys})
+        owner = make_owner(target)
+
+        owner.load_state_dict(_non_distributed_state_dict(owner, incoming))
+
+        moment_bytes = sum(8 * p.numel() for g in target.param_groups for p in g["params"])
+        (outcome,) = outcomes
+        assert outcome.adopter == DEFAULT_ADOPTER
+        assert outcome.reused_bytes == moment_bytes and outcome.allocated_bytes == 0
+        assert all(a is b for a, b in zip(_moments(target), _moments_of(incoming)))
 
 
 def _te_fused_adam(seed, **kwargs):

@@ -1,0 +1,154 @@
+"""Megatron-FSDP's state: DTensors of local shards, installed by reference (issue #19).
+
+Megatron-FSDP's ``DistributedOptimizer`` (``fsdp_dtensor`` format) packs the inner optimizer's
+own state entries into the sharded state dict, ``torch.distributed.checkpoint`` reads into them
+in place, and ``load_state_dict`` hands them to TE FusedAdam, which unwraps each DTensor,
+allocates a new local shard, copies and wraps it again with the parameter's mesh and placements.
+These tests use real DTensors on a one-rank gloo group and the CPU stand-in, which reproduces
+that loader (tests/fused_adam_standin.py).
+"""
+
+import os
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from builders import ddp_config_with, load_through, registry_of, standin_adopter
+from fused_adam_standin import FusedAdamStandIn
+from mcore_owners import MCORE_PARAM_GROUP_KEYS, CpuDistributedOptimizer
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.state_adoption import StateAdoptionOutcome, register_outcome_hook, register_state_adopter
+
+SHAPES = [(12,), (4, 3), (6,)]
+FSDP = {"ddp_config": ddp_config_with(use_megatron_fsdp=True)}
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placement: Any = None) -> DTensor:
+    return DTensor.from_local(local, mesh, [placement or Shard(0)], run_check=False)
+
+
+def _params(mesh: DeviceMesh, shapes: List[Tuple[int, ...]] = SHAPES) -> List[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(_dtensor(torch.randn(s, generator=generator), mesh)) for s in shapes]
+
+
+def _trained(mesh: DeviceMesh, shapes: List[Tuple[int, ...]] = SHAPES) -> FusedAdamStandIn:
+    params = _params(mesh, shapes)
+    optimizer = FusedAdamStandIn([{"params": params, **MCORE_PARAM_GROUP_KEYS}], lr=1e-3, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for param in params:  # no gradient, so no state, for an empty shard (as Megatron-FSDP)
+            if param.to_local().numel() > 0:
+                param.grad = _dtensor(torch.randn(param.to_local().shape, generator=generator), mesh)
+        optimizer.step()
+    return optimizer
+
+
+def _read_in_place(optimizer: FusedAdamStandIn) -> Dict[str, Any]:
+    """What Megatron-FSDP hands the loader: the optimizer's own state entries (read in place)."""
+    return torch.optim.Optimizer.state_dict(optimizer)
+
+
+def _locals(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [
+        optimizer.state[p][k].to_local()
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p in optimizer.state
+        for k in ("exp_avg", "exp_avg_sq")
+    ]
+
+
+def _same_bits(left: List[torch.Tensor], right: List[torch.Tensor]) -> bool:
+    return len(left) == len(right) and all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(left, right))
+
+
+def test_te_stand_in_copies_dtensor_state_as_te_does(mesh: DeviceMesh) -> None:
+    """The own loader: a new local shard per moment, wrapped like the parameter (8 B x params)."""
+    optimizer = _trained(mesh)
+    incoming = _read_in_place(optimizer)
+    held = _locals(optimizer)
+    outcome = load_through(optimizer, incoming, registry_of(), **FSDP)
+    assert outcome.allocated_bytes == 8 * 30 and outcome.reused_bytes == 0
+    assert all(isinstance(optimizer.state[p]["exp_avg"], DTensor) for p in optimizer.param_groups[0]["params"])
+    assert _same_bits(_locals(optimizer), held)
+
+
+def test_fsdp_dtensor_moments_are_adopted_by_reference_bit_for_bit_as_te_loads_them(mesh: DeviceMesh) -> None:
+    adopted, reference = _trained(mesh), _trained(mesh)
+    incoming = _read_in_place(adopted)
+    outcome = load_through(adopted, incoming, registry_of(standin_adopter()), **FSDP)
+    assert outcome.adopter == "te_fused_adam_fp32" and outcome.allocated_bytes == 0
+    assert outcome.reused_bytes == 8 * 30  # 30 FP32 elements in the local shards, two moments each
+    for entry, param in zip(incoming["state"].values(), adopted.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert adopted.state[param][key].to_local().untyped_storage().data_ptr() == entry[key].to_local().untyped_storage().data_ptr()
+            assert adopted.state[param][key].placements == param.placements
+    load_through(reference, _read_in_place(reference), registry_of(), **FSDP)  # TE's own loader
+    assert _same_bits(_locals(adopted), _locals(reference))
+    for optimizer in (adopted, reference):  # and the next step
+        for param in optimizer.param_groups[0]["params"]:
+            param.grad = _dtensor(torch.ones(param.to_local().shape), mesh)
+        optimizer.step()
+    assert _same_bits(_locals(adopted), _locals(reference))
+    assert _same_bits([p.to_local() for p in adopted.param_groups[0]["params"]], [p.to_local() for p in reference.param_groups[0]["params"]])
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda entry, mesh: _dtensor(entry.to_local(), mesh, Replicate()), "parameter 0: exp_avg has another placements than the parameter"),
+        (lambda entry, mesh: entry.to_local(), "parameter 0: exp_avg is a Tensor, the parameter a DTensor"),
+        (lambda entry, mesh: _dtensor(entry.to_local().double(), mesh), "parameter 0: exp_avg is torch.float64, not torch.float32"),
+        (
+            lambda entry, mesh: DTensor.from_local(entry.to_local(), mesh, [Shard(0)], shape=(24,), stride=(1,)),
+            "parameter 0: exp_avg has global shape (24,) and stride (1,), the parameter (12,) and (1,)",
+        ),
+    ],
+    ids=["other placements", "plain tensor for a DTensor parameter", "FP64 local shard", "other global shape"],
+)
+def test_dtensor_state_laid_out_otherwise_is_declined_by_the_rule_and_te_loads_it(
+    mesh: DeviceMesh, change: Any, reason: str
+) -> None:
+    optimizer = _trained(mesh)
+    incoming = _read_in_place(optimizer)
+    incoming["state"][0] = {**incoming["state"][0], "exp_avg": change(incoming["state"][0]["exp_avg"], mesh)}
+    outcome = load_through(optimizer, incoming, registry_of(standin_adopter()), **FSDP)
+    assert outcome.declines == (("te_fused_adam_fp32", reason),)
+    assert outcome.adopter is None and outcome.method == "FusedAdamStandIn.load_state_dict"
+
+
+def test_an_empty_local_shard_without_state_is_adopted_as_te_loads_it(mesh: DeviceMesh) -> None:
+    """Megatron-FSDP creates no state for a parameter whose local shard is empty."""
+    optimizer = _trained(mesh, [(12,), (0,), (6,)])
+    incoming = _read_in_place(optimizer)
+    assert sorted(incoming["state"]) == [0, 2]
+    outcome = load_through(optimizer, incoming, registry_of(standin_adopter()), **FSDP)
+    assert outcome.adopter == "te_fused_adam_fp32" and outcome.allocated_bytes == 0
+    assert optimizer.param_groups[0]["params"][1] not in optimizer.state
+
+
+def test_the_megatron_fsdp_branch_of_the_installed_distributed_optimizer_adopts_dtensor_state(mesh: DeviceMesh) -> None:
+    adopter = standin_adopter()
+    adopter.name = "fsdp_standin"  # our own adopter object, renamed beside the default one
+    outcomes: List[StateAdoptionOutcome] = []
+    handles = [register_state_adopter(adopter, prepend=True), register_outcome_hook(outcomes.append)]
+    try:
+        owner = CpuDistributedOptimizer(_trained(mesh), OptimizerConfig(), FSDP["ddp_config"])
+        owner.load_state_dict(_read_in_place(owner.optimizer))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [(o.adopter, o.allocated_bytes, o.reused_bytes) for o in outcomes] == [("fsdp_standin", 0, 240)]
