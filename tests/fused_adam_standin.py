@@ -13,7 +13,9 @@ loading depends on, and reproduces it:
   the incoming value into it (``set_scaled_state``) — the allocate-and-copy that doubles
   the moments' memory while the caller still holds the incoming tensors;
 * ``state_dict``: non-FP32 state is returned as FP32 copies, FP32 state as is;
-* ``step``: AdamW with a per-group ``step`` counter, as TE keeps it.
+* ``step``: AdamW with a per-group ``step`` counter, as TE keeps it; like TE it advances every
+  group's ``step`` and creates the state of every parameter without state (zeroed moments)
+  before it skips the parameters without a gradient.
 
 * precision-aware state: BF16 moments (stored as BF16 copies of the FP32 input, with a
   ``_scales`` entry of ones per moment, as TE creates it), TE master weights
@@ -122,7 +124,7 @@ class FusedAdamStandIn(torch.optim.Optimizer):
         if dtype != torch.float32:
             self._scales.setdefault(param, {})[state_name] = torch.ones([1], dtype=torch.float32)
 
-    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool) -> None:
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool = False) -> None:
         """Zeroed moments and, with master weights, the master copy of ``param``, as TE does."""
         self._initialize_state(param, "exp_avg", zero_buffer=True)
         self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
@@ -198,12 +200,11 @@ class FusedAdamStandIn(torch.optim.Optimizer):
             bias_correction1 = 1 - beta1 ** group["step"]
             bias_correction2 = 1 - beta2 ** group["step"]
             for param in group["params"]:
+                state, local_param = self.state[param], _local(param)
+                if len(state) == 0:  # TE initialises the state before it looks at the gradient
+                    self.initialize_state(param, store_param_remainders=False)
                 if param.grad is None:
                     continue
-                state, local_param = self.state[param], _local(param)
-                for name in ("exp_avg", "exp_avg_sq"):
-                    if name not in state:
-                        self._initialize_state(param, name, zero_buffer=True)
                 exp_avg = self.get_unscaled_state(param, "exp_avg")
                 exp_avg_sq = self.get_unscaled_state(param, "exp_avg_sq")
                 grad = _local(param.grad).float()

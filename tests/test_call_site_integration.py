@@ -298,3 +298,21 @@ def test_the_config_switch_selects_the_own_loader(
     assert [(o.adopter, o.fallback_reason) for o in outcomes] == [
         (None, "OptimizerConfig.optimizer_state_adoption is False")
     ]
+
+
+def test_megatron_fsdp_creates_the_state_it_loads_into_through_the_registry(
+    outcomes: List[StateAdoptionOutcome],
+) -> None:
+    """``sharded_param_state_fsdp_dtensor(is_loading=True)`` (Megatron-FSDP) hands the creation
+    of the state to ``initialize_inner_optimizer_state``; the default adopter declines torch
+    Adam, so the dummy step runs, exactly once (test_initialize_hook_point.py has the rest)."""
+    params = _params(0)
+    inner = torch.optim.Adam([{"params": params, **MCORE_PARAM_GROUP_KEYS}], lr=1e-3)
+    owner = _fsdp_owner(inner, OptimizerConfig())
+    owner.param_to_name = {p: f"param{i}" for i, p in enumerate(params)}  # what _param_name caches
+    state_dict = owner.sharded_param_state_fsdp_dtensor(is_loading=True)
+    assert [(o.hook_point, o.adopter) for o in outcomes] == [("initialize", None)]
+    assert outcomes[0].method is not None and outcomes[0].method.endswith("_init_optimizer_states_with_dummy_values")
+    assert ("te_fused_adam_fp32", "Transformer Engine's FusedAdam is not loaded") in outcomes[0].declines
+    assert sorted(state_dict["state"]) == ["param0", "param1", "param2"]
+    assert all(int(inner.state[p]["step"]) == 1 for p in params)

@@ -49,7 +49,7 @@ def _trained(mesh: DeviceMesh, shapes: List[Tuple[int, ...]] = SHAPES) -> FusedA
     optimizer = FusedAdamStandIn([{"params": params, **MCORE_PARAM_GROUP_KEYS}], lr=1e-3, weight_decay=0.1)
     generator = torch.Generator().manual_seed(1)
     for _ in range(2):
-        for param in params:  # no gradient, so no state, for an empty shard (as Megatron-FSDP)
+        for param in params:  # no gradient for an empty shard, as Megatron-FSDP gives it none
             if param.to_local().numel() > 0:
                 param.grad = _dtensor(torch.randn(param.to_local().shape, generator=generator), mesh)
         optimizer.step()
@@ -130,14 +130,19 @@ def test_dtensor_state_laid_out_otherwise_is_declined_by_the_rule_and_te_loads_i
     assert outcome.adopter is None and outcome.method == "FusedAdamStandIn.load_state_dict"
 
 
-def test_an_empty_local_shard_without_state_is_adopted_as_te_loads_it(mesh: DeviceMesh) -> None:
-    """Megatron-FSDP creates no state for a parameter whose local shard is empty."""
+@pytest.mark.parametrize("without_entry", [False, True], ids=["empty state", "no state entry"])
+def test_an_empty_local_shard_is_adopted_as_te_loads_it(mesh: DeviceMesh, without_entry: bool) -> None:
+    """A parameter whose local shard is empty (uneven sharding) has empty moments -- TE's first
+    step creates them -- or, in a checkpoint that has none for it, no entry at all; either way
+    the loaders give it what the state dict has."""
     optimizer = _trained(mesh, [(12,), (0,), (6,)])
     incoming = _read_in_place(optimizer)
-    assert sorted(incoming["state"]) == [0, 2]
+    assert incoming["state"][1]["exp_avg"].to_local().numel() == 0
+    if without_entry:
+        del incoming["state"][1]
     outcome = load_through(optimizer, incoming, registry_of(standin_adopter()), **FSDP)
     assert outcome.adopter == "te_fused_adam_fp32" and outcome.allocated_bytes == 0
-    assert optimizer.param_groups[0]["params"][1] not in optimizer.state
+    assert (optimizer.param_groups[0]["params"][1] in optimizer.state) is not without_entry
 
 
 def test_the_megatron_fsdp_branch_of_the_installed_distributed_optimizer_adopts_dtensor_state(mesh: DeviceMesh) -> None:

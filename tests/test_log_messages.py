@@ -33,6 +33,7 @@ from adopters_for_tests import (
     pytorch_state_dict,
 )
 from builders import (
+    Owner,
     cloned_state_dict,
     config_with,
     export_through,
@@ -44,8 +45,11 @@ from builders import (
 )
 from real_optimizers import cloned, fresh_adam, params_of, trained_adam
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 from megatron.core.optimizer.state_adoption import (
     StateAdopterRegistry,
+    initialize_inner_optimizer_state,
     StateAdoptionContext,
     StateAdoptionOutcome,
 )
@@ -115,6 +119,18 @@ UNKNOWN_VARIABLE = (
     "ignored; the settings are MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION and "
     "MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS"
 )
+ADOPTER_INITIALIZED = (
+    "Optimizer state adopter '<name>' initialized the state of <optimizer>: <reused> by "
+    "reference, <allocated> newly allocated"
+)
+OWN_INITIALIZED = (
+    "<method> initialized the state of <optimizer> (<reason>): <reused> by reference, "
+    "<allocated> newly allocated"
+)
+INITIALIZE_FAILED = (
+    "Optimizer state adopter '<name>' failed to initialize the state (<error>); the optimizer was "
+    "restored and the own initialisation runs instead"
+)
 PLUGIN_SKIPPED = "Skipping optimizer state adopter plugin from <origin>: <error>"
 OUTCOME_HOOK_RAISED = "Optimizer state adoption outcome hook <hook> raised <error>"
 
@@ -138,6 +154,9 @@ MESSAGES = {
     (WARNING, UNKNOWN_VARIABLE),
     (WARNING, PLUGIN_SKIPPED),
     (WARNING, OUTCOME_HOOK_RAISED),
+    (INFO, ADOPTER_INITIALIZED),
+    (DEBUG, OWN_INITIALIZED),
+    (WARNING, INITIALIZE_FAILED),
 }
 
 # --- the reasons the messages carry (<reason>) ----------------------------------------------
@@ -161,6 +180,20 @@ DISABLED_BY_NAME = "disabled by MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS"
 CHECK_RAISED_REASON = "check raised <error>"
 CHECK_GARBAGE_REASON = "check returned <type> instead of None or a reason"
 NOT_COPYABLE = "the state dict cannot be copied for a rollback: <error repr>"
+NO_INITIALIZER = "no registered adopter is a state initializer"
+EVERY_INITIALIZER_DECLINED = "every state initializer declined"
+FAILED_TO_INITIALIZE = "adopter '<name>' failed to initialize the state"
+HOLDS_STATE = "the inner optimizer already holds state, which the own initialisation steps"
+INSTANCE_STEP = (
+    "the <class> instance has its own step (set on the instance, e.g. by a wrapper), which the "
+    "own initialisation calls"
+)
+STEP_HOOK = "a step <kind>-hook is registered, which the own initialisation runs"
+STEP_HOOKS_NOT_INSPECTABLE = "the optimizer's step <kind>-hooks cannot be inspected"
+GLOBAL_STEP_HOOKS = (
+    "global optimizer step hooks are registered (or cannot be inspected), which the own "
+    "initialisation runs"
+)
 
 REASONS = {
     NO_ADOPTER,
@@ -179,6 +212,14 @@ REASONS = {
     CHECK_RAISED_REASON,
     CHECK_GARBAGE_REASON,
     NOT_COPYABLE,
+    NO_INITIALIZER,
+    EVERY_INITIALIZER_DECLINED,
+    FAILED_TO_INITIALIZE,
+    HOLDS_STATE,
+    INSTANCE_STEP,
+    STEP_HOOK,
+    STEP_HOOKS_NOT_INSPECTABLE,
+    GLOBAL_STEP_HOOKS,
 }
 
 # --- filling templates ----------------------------------------------------------------------
@@ -663,6 +704,123 @@ def plugin_skipped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line
     return [(WARNING, PLUGIN_SKIPPED, {"origin": origin, "error": error}), own_load(optimizer, reason(NO_ADOPTER), "0 B", STANDIN_BYTES)]
 
 
+class _DummyStepOwner(Owner):
+    """An owner whose own initialisation is MCore's dummy step on zero gradients."""
+
+    def _init_optimizer_states_with_dummy_values(self) -> None:
+        for param in params_of(self.optimizer):
+            param.grad = torch.zeros_like(param)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+DUMMY_STEP = "_DummyStepOwner._init_optimizer_states_with_dummy_values"
+
+
+def _initialize(optimizer: torch.optim.Optimizer, registry: StateAdopterRegistry) -> None:
+    owner = _DummyStepOwner(optimizer)
+    initialize_inner_optimizer_state(owner, owner._init_optimizer_states_with_dummy_values, registry)
+
+
+def own_initialized(optimizer: torch.optim.Optimizer, why: Value, method: str = DUMMY_STEP) -> Line:
+    values = {"method": method, "optimizer": label(optimizer), "reason": why, "reused": "0 B", "allocated": STANDIN_BYTES}
+    return DEBUG, OWN_INITIALIZED, values
+
+
+def initializer_initializes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    optimizer = fresh_standin()
+    _initialize(optimizer, registry_of(standin_adopter()))
+    values = {"name": "te_fused_adam_fp32", "optimizer": label(optimizer), "reused": "0 B", "allocated": STANDIN_BYTES}
+    return [(INFO, ADOPTER_INITIALIZED, values)]
+
+
+def no_initializer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    optimizer = fresh_standin()
+    _initialize(optimizer, registry_of(DecliningAdopter("not_an_initializer")))
+    return [own_initialized(optimizer, reason(NO_INITIALIZER))]
+
+
+def every_initializer_declines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    optimizer = fresh_standin()
+    params_of(optimizer)[0].grad = torch.zeros_like(params_of(optimizer)[0])
+    _initialize(optimizer, registry_of(standin_adopter()))
+    why = "parameter 0 has a grad, which a step would apply"
+    return [declined("te_fused_adam_fp32", why), own_initialized(optimizer, reason(EVERY_INITIALIZER_DECLINED))]
+
+
+class _FailingInitializer(DecliningAdopter):
+    """An initializer that accepts and raises."""
+
+    def initialize_decline_reason(self, context: Any) -> Optional[str]:
+        return None
+
+    def initialize_state(self, context: Any) -> None:
+        raise RuntimeError("no memory")
+
+
+def initializer_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    optimizer = fresh_standin()
+    _initialize(optimizer, registry_of(_FailingInitializer("failing")))
+    failed = {"name": "failing", "error": "RuntimeError: no memory"}
+    return [(WARNING, INITIALIZE_FAILED, failed), own_initialized(optimizer, reason(FAILED_TO_INITIALIZE, name="failing"))]
+
+
+def _own_initialization_because(change: Callable[[torch.optim.Optimizer], Any], why: Value, method: str = DUMMY_STEP) -> List[Line]:
+    optimizer = fresh_standin()
+    change(optimizer)
+    owner = _DummyStepOwner(optimizer)
+
+    def create_state_directly() -> None:  # for an optimizer whose step() cannot run
+        for param in params_of(optimizer):
+            optimizer.initialize_state(param)
+
+    own = owner._init_optimizer_states_with_dummy_values if method == DUMMY_STEP else create_state_directly
+    initialize_inner_optimizer_state(owner, own, registry_of(standin_adopter()))
+    return [own_initialized(optimizer, why, own.__qualname__ if method != DUMMY_STEP else DUMMY_STEP)]
+
+
+def initialize_holding_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    def held(optimizer: torch.optim.Optimizer) -> None:
+        for param in params_of(optimizer):
+            optimizer.initialize_state(param)
+
+    optimizer = fresh_standin()
+    held(optimizer)
+    owner = _DummyStepOwner(optimizer)
+    initialize_inner_optimizer_state(owner, lambda: None, registry_of(standin_adopter()))
+    values = {"method": "initialize_holding_state.<locals>.<lambda>", "optimizer": label(optimizer), "reason": reason(HOLDS_STATE), "reused": STANDIN_BYTES, "allocated": "0 B"}
+    return [(DEBUG, OWN_INITIALIZED, values)]
+
+
+def initialize_with_instance_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    return _own_initialization_because(
+        lambda optimizer: setattr(optimizer, "step", types.MethodType(type(optimizer).step, optimizer)),
+        reason(INSTANCE_STEP, **{"class": "FusedAdamStandIn"}),
+    )
+
+
+def initialize_with_step_hook(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    return _own_initialization_because(
+        lambda optimizer: optimizer.register_step_post_hook(lambda *args: None), reason(STEP_HOOK, kind="post")
+    )
+
+
+def initialize_with_uninspectable_step_hooks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    return _own_initialization_because(
+        lambda optimizer: setattr(optimizer, "_optimizer_step_pre_hooks", _HookList()),
+        reason(STEP_HOOKS_NOT_INSPECTABLE, kind="pre"),
+        method="direct",
+    )
+
+
+def initialize_with_global_step_hook(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    handle = register_optimizer_step_pre_hook(lambda *args: None)
+    try:
+        return _own_initialization_because(lambda optimizer: None, reason(GLOBAL_STEP_HOOKS))
+    finally:
+        handle.remove()
+
+
 SCENARIOS: Dict[str, Scenario] = {
     "an adopter installs the state": adopter_installs,
     "an adopter installs copies": adopter_installs_copies,
@@ -697,6 +855,15 @@ SCENARIOS: Dict[str, Scenario] = {
     "consulting the exporters is interrupted": export_interrupted,
     "an outcome hook raises": outcome_hook_raises,
     "a plugin is skipped": plugin_skipped,
+    "an initializer creates the state": initializer_initializes,
+    "no initializer is registered": no_initializer,
+    "every initializer declines": every_initializer_declines,
+    "an initializer fails": initializer_fails,
+    "the optimizer holds state already": initialize_holding_state,
+    "a step set on the instance": initialize_with_instance_step,
+    "a step hook is registered": initialize_with_step_hook,
+    "step hooks cannot be inspected": initialize_with_uninspectable_step_hooks,
+    "a global step hook is registered": initialize_with_global_step_hook,
 }
 
 

@@ -89,6 +89,9 @@ PYTHON_HEADER = "# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All right
 SERIES_DATE = "2026-11-29T12:00:00+00:00"
 """Author and committer date of every commit in the series (keeps the patches reproducible)."""
 
+FSDP_INITIALIZATION = "self._init_optimizer_states_with_dummy_values()"
+"""Megatron-FSDP's creation of the state a checkpoint is read into (a dummy step)."""
+FSDP_STATE_DICT_METHOD = "sharded_param_state_fsdp_dtensor"
 DIRECT_LOAD = re.compile(r"\s*self\.optimizer\.load_state_dict\(state_dict(\[optimizer_key\])?\)$")
 """A line handing the given state dict (or its optimizer part) straight to the inner optimizer."""
 OFFLOADER_GUARD = "if self._optimizer_state_offloader is None:"
@@ -120,13 +123,16 @@ class Hunk:
     @property
     def kind(self) -> str:
         """``import`` (pure insertion), ``export`` or ``load`` (which inner call it replaces),
-        or ``direct_load``: one line handing the given state dict straight to the inner
-        optimizer (the Megatron-FSDP branch, the non-distributed optimizers)."""
+        ``direct_load``: one line handing the given state dict straight to the inner
+        optimizer (the Megatron-FSDP branch, the non-distributed optimizers), or
+        ``initialize``: Megatron-FSDP's creation of the state it loads into."""
         removed = "\n".join(self.removed)
         if not self.removed:
             return "import"
         if len(self.removed) == 1 and DIRECT_LOAD.match(self.removed[0]):
             return "direct_load"
+        if [line.strip() for line in self.removed] == [FSDP_INITIALIZATION]:
+            return "initialize"
         if "self.optimizer.load_state_dict(" in removed:
             return "load"
         if "self.optimizer.state_dict()" in removed:
@@ -299,7 +305,7 @@ def _apply_export_keeping_offloader(text: str, hunk: Hunk) -> str:
     )
 
 
-def _apply_direct_load(text: str, hunk: Hunk, where: Tuple[int, int]) -> str:
+def _apply_line(text: str, hunk: Hunk, where: Tuple[int, int]) -> str:
     """Replace the one line inside ``where`` that is the hunk's removed line (compared without
     indentation), keeping that line's indentation (on ``dev`` it sits inside the offloader's
     guard, whose other branch stays as it is)."""
@@ -308,7 +314,7 @@ def _apply_direct_load(text: str, hunk: Hunk, where: Tuple[int, int]) -> str:
     lines = text[start:end].split("\n")
     matches = [i for i, line in enumerate(lines) if line.strip() == old]
     if len(matches) != 1:
-        raise SeriesError(f"direct_load hunk {old!r}: expected exactly one match, found {len(matches)}")
+        raise SeriesError(f"{hunk.kind} hunk {old!r}: expected exactly one match, found {len(matches)}")
     line = lines[matches[0]]
     lines[matches[0]] = line[: len(line) - len(line.lstrip())] + new
     return text[:start] + "\n".join(lines) + text[end:]
@@ -322,7 +328,7 @@ def change_non_distributed_optimizers(text: str, hunks: Sequence[Hunk]) -> str:
         if hunk.kind == "import":
             text = _apply_import(text, hunk)
         elif hunk.kind == "direct_load":
-            text = _apply_direct_load(text, hunk, (0, len(text)))
+            text = _apply_line(text, hunk, (0, len(text)))
         else:
             raise SeriesError(f"{NON_DISTRIBUTED_FILE}: unexpected {hunk.kind} hunk")
     ast.parse(text)
@@ -388,7 +394,8 @@ def change_call_site(text: str, hunks: Sequence[Hunk]) -> str:
         "import": _apply_import,
         "export": _apply_export_keeping_offloader if offloader else _apply_plain,
         "load": _apply_load_keeping_offloader if offloader else _apply_plain,
-        "direct_load": lambda t, h: _apply_direct_load(t, h, _method_span(t, "load_state_dict")),
+        "direct_load": lambda t, h: _apply_line(t, h, _method_span(t, "load_state_dict")),
+        "initialize": lambda t, h: _apply_line(t, h, _method_span(t, FSDP_STATE_DICT_METHOD)),
     }
     for hunk in hunks:
         text = appliers[hunk.kind](text, hunk)
@@ -863,7 +870,7 @@ MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,... override it for a run.
 
 CALL_SITE_SUBJECT = "Route inner-optimizer state loads through state adoption\n\n"
 CALL_SITE_BODY = {
-    ("direct_load", "export", "load"): """\
+    ("direct_load", "export", "initialize", "load"): """\
 Every place where Megatron Core hands loaded optimizer state to the
 inner optimizer now goes through the state-adoption registry:
 
@@ -871,7 +878,11 @@ inner optimizer now goes through the state-adoption registry:
   state with export_inner_optimizer_state_dict(self) and installs the
   assembled state with load_inner_optimizer_state_dict(self, ...);
 - its Megatron-FSDP branch (fsdp_dtensor checkpoints) installs the
-  loaded DTensor state with load_inner_optimizer_state_dict(self, ...);
+  loaded DTensor state with load_inner_optimizer_state_dict(self, ...),
+  and sharded_param_state_fsdp_dtensor creates the state the checkpoint
+  is read into with initialize_inner_optimizer_state(self, ...), which
+  runs the dummy step unless an initializer creates the state without
+  its zero gradients;
 - Float16OptimizerWithFloat16Params and FP32Optimizer (without the
   distributed optimizer) do the same in their load_state_dict.
 

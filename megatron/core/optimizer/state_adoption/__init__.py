@@ -1,12 +1,15 @@
-"""Optimizer-state adoption for ``DistributedOptimizer`` checkpoint loading.
+"""Optimizer-state adoption for Megatron-Core's checkpoint loading.
 
-While a ``DistributedOptimizer`` loads its inner optimizer's state (both when it builds the
-scaffold for a sharded checkpoint and after the checkpoint was read), it reads the inner
-state dict through :func:`export_inner_optimizer_state_dict` and hands the assembled
-``{"state", "param_groups"}`` dict to :func:`load_inner_optimizer_state_dict`. The first
-registered :class:`StateAdopter` that accepts installs the state (and, if it is also a
-:class:`StateExporter`, may supply the state dict); otherwise the inner optimizer's own
-``load_state_dict``/``state_dict`` runs unchanged. Each call's
+Wherever Megatron-Core hands loaded state to an inner optimizer -- ``DistributedOptimizer``
+(both when it builds the scaffold for a sharded checkpoint and after the checkpoint was read,
+and in its Megatron-FSDP branch) and the non-distributed ``Float16OptimizerWithFloat16Params``
+and ``FP32Optimizer`` -- it hands the ``{"state", "param_groups"}`` dict to
+:func:`load_inner_optimizer_state_dict`; ``DistributedOptimizer`` also reads the inner state
+dict through :func:`export_inner_optimizer_state_dict`, and Megatron-FSDP creates the state it
+reads into through :func:`initialize_inner_optimizer_state`. The first registered
+:class:`StateAdopter` that accepts installs the state (and, if it is also a
+:class:`StateExporter` or a :class:`StateInitializer`, may supply the state dict or create the
+state); otherwise the optimizer's own code runs unchanged. Each call's
 :class:`StateAdoptionOutcome` goes to the hooks registered with
 :func:`register_outcome_hook`.
 
@@ -19,7 +22,14 @@ drop-in build, ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1`` does too, and
 ``MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,...`` skips the named adopters.
 """
 
-from .adopter import StateAdopter, StateAdoptionContext, StateExportContext, StateExporter
+from .adopter import (
+    StateAdopter,
+    StateAdoptionContext,
+    StateExportContext,
+    StateExporter,
+    StateInitializer,
+)
+from .initialize import initialize_inner_optimizer_state
 from .loader import export_inner_optimizer_state_dict, load_inner_optimizer_state_dict
 from .outcome import StateAdoptionOutcome
 from .registry import (
@@ -38,7 +48,9 @@ __all__ = [
     "StateAdoptionOutcome",
     "StateExportContext",
     "StateExporter",
+    "StateInitializer",
     "export_inner_optimizer_state_dict",
+    "initialize_inner_optimizer_state",
     "load_inner_optimizer_state_dict",
     "register_outcome_hook",
     "register_state_adopter",

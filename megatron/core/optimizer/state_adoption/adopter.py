@@ -34,7 +34,13 @@ if TYPE_CHECKING:
     )
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-__all__ = ["StateAdopter", "StateAdoptionContext", "StateExportContext", "StateExporter"]
+__all__ = [
+    "StateAdopter",
+    "StateAdoptionContext",
+    "StateExportContext",
+    "StateExporter",
+    "StateInitializer",
+]
 
 _Context = TypeVar("_Context", bound="StateExportContext")
 
@@ -180,5 +186,52 @@ class StateExporter(Protocol):
 
         Returns:
             Dict[str, Any]: the ``{"state", "param_groups"}`` dict.
+        """
+        ...
+
+
+@runtime_checkable
+class StateInitializer(Protocol):
+    """Creates the inner optimizer's state for a checkpoint to be read into, in place of the
+    owner's own initialisation.
+
+    A registered adopter that also implements these methods is consulted where a Megatron-FSDP
+    ``DistributedOptimizer`` builds its sharded state dict for loading (``fsdp_dtensor``):
+    upstream creates the state there with a dummy ``step()`` on zero gradients, which holds a
+    gradient for every parameter on top of the new state; ``torch.distributed.checkpoint`` then
+    reads the checkpoint into that state in place.
+
+    Contract:
+        * ``initialize_decline_reason`` is side-effect free, like ``decline_reason``.
+        * ``initialize_state`` gives every parameter the state entries the own initialisation
+          gives it -- the same keys, dtypes, devices, shapes and layouts -- so that once the
+          checkpoint is read in, the state is what the own path gives. It may skip what the
+          read overwrites (values, the parameters) and must leave the param groups as they are,
+          except ``step``, which a first step creates or advances as the own one does. If it raises, or leaves a parameter with a non-empty local
+          shard without state, the optimizer's previous state and param groups are restored and
+          the own initialisation runs.
+        * Neither is offered an optimizer that already holds state, one with ``step`` hooks
+          (its own or global ones), or one with a ``step`` set on the instance.
+        * Both may be called from any rank and must not communicate.
+    """
+
+    name: str
+
+    def initialize_decline_reason(self, context: StateExportContext) -> Optional[str]:
+        """Decide whether this initializer can create the state of ``context.optimizer``.
+
+        Args:
+            context (StateExportContext): the optimizer and its owner's configs.
+
+        Returns:
+            Optional[str]: None to accept, otherwise why the initializer declines.
+        """
+        ...
+
+    def initialize_state(self, context: StateExportContext) -> None:
+        """Create the state of ``context.optimizer`` for a checkpoint to be read into.
+
+        Args:
+            context (StateExportContext): a context this initializer accepted.
         """
         ...

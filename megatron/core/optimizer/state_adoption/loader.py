@@ -59,8 +59,9 @@ _DISABLE_ENV_VAR = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
 _DISABLED_ADOPTERS_ENV_VAR = "MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS"
 _SWITCH_ON_VALUES = frozenset(("1", "true", "yes", "on"))
 _SWITCH_OFF_VALUES = frozenset(("", "0", "false", "no", "off"))
-_LOAD, _EXPORT = "load", "export"
+_LOAD, _EXPORT, _INITIALIZE = "load", "export", "initialize"
 _METHODS = {_LOAD: "load_state_dict", _EXPORT: "state_dict"}
+_VERBS = {_LOAD: "installed", _EXPORT: "exported", _INITIALIZE: "initialized"}
 
 _warned: Set[str] = set()
 
@@ -355,7 +356,7 @@ def _finish(registry: StateAdopterRegistry, outcome: StateAdoptionOutcome) -> St
         f"{_size(outcome.reused_bytes)} by reference, {_size(outcome.allocated_bytes)} newly "
         "allocated"
     )
-    verb = "installed" if outcome.hook_point == _LOAD else "exported"
+    verb = _VERBS[outcome.hook_point]
     if outcome.error is not None:
         log_single_rank(
             logger,
@@ -375,7 +376,7 @@ def _finish(registry: StateAdopterRegistry, outcome: StateAdoptionOutcome) -> St
             outcome.optimizer,
             sizes,
         )
-        if outcome.allocated_bytes > 0:
+        if outcome.allocated_bytes > 0 and outcome.hook_point != _INITIALIZE:  # it allocates
             log_single_rank(
                 logger,
                 logging.WARNING,

@@ -24,14 +24,14 @@ it, and a FusedAdam without it is something this adopter does not know and decli
 """
 
 import sys
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional
 
 import torch
 from packaging.version import InvalidVersion, Version
 
 from megatron.core.utils import get_te_version
 
-from .adopter import StateAdoptionContext
+from .adopter import StateAdoptionContext, StateExportContext
 from .validation import (
     ExpectedState,
     _local_tensor,
@@ -169,6 +169,54 @@ class TEFusedAdamFP32StateAdopter:
         """
         torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
 
+    def initialize_decline_reason(self, context: StateExportContext) -> Optional[str]:
+        """Accept the optimizer and owner ``decline_reason`` accepts, with every parameter
+        eligible and none holding a gradient.
+
+        Args:
+            context (StateExportContext): the optimizer and its owner's configs.
+
+        Returns:
+            Optional[str]: None to accept, otherwise why the own initialisation runs.
+        """
+        optimizer = context.optimizer
+        return first_decline_reason(
+            (
+                lambda: owner_decline_reason(context, precision_aware=False, megatron_fsdp=True),
+                lambda: te_fused_adam_decline_reason(optimizer, self._fused_adam_class),
+                lambda: _fp32_settings_decline_reason(optimizer, self._te_release()),
+                lambda: self._params_decline_reason(optimizer),
+                lambda: _gradient_decline_reason(optimizer),
+            )
+        )
+
+    def initialize_state(self, context: StateExportContext) -> None:
+        """Run FusedAdam's own ``step()`` with no gradients.
+
+        MCore's own initialisation gives every parameter a zero gradient and steps. TE's step
+        creates the state of every parameter (``initialize_state``, zeroed moments) and advances
+        each group's ``step`` before it looks at gradients, and skips the parameters without
+        one; so without gradients it creates exactly that state and ``step`` and launches no
+        kernel, and the zero gradients (4 bytes per parameter) are never allocated. The only
+        difference is what the checkpoint overwrites: the parameters do not receive the zero
+        gradient's weight-decay update. A TE release whose step created state only for
+        parameters with a gradient would leave parameters without state; the loader then
+        restores the optimizer and the own initialisation runs.
+
+        Args:
+            context (StateExportContext): a context this adopter accepted.
+        """
+        context.optimizer.step()
+
+    def _params_decline_reason(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
+        """The first parameter :meth:`_param_decline_reason` declines, worded as the
+        incoming-state checks word it; None if it accepts them all."""
+        for index, param in enumerate(_params(optimizer)):
+            reason = self._param_decline_reason(param)
+            if reason is not None:
+                return f"parameter {index}: {reason}"
+        return None
+
     def _te_release(self) -> Optional[Version]:
         """The Transformer Engine release, or None if its version string is not a version."""
         try:
@@ -187,6 +235,20 @@ class TEFusedAdamFP32StateAdopter:
         if param.device.type != self._param_device_type:
             return f"is on {param.device}, not on {self._param_device_type}"
         return None
+
+
+def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """Every parameter of ``optimizer``, group by group."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _gradient_decline_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Accept only parameters without gradients (a step without gradients changes no parameter)."""
+    for index, param in enumerate(_params(optimizer)):
+        for attribute in ("grad", "decoupled_grad"):
+            if getattr(param, attribute, None) is not None:
+                return f"parameter {index} has a {attribute}, which a step would apply"
+    return None
 
 
 def _remainders_decline_reason(

@@ -791,6 +791,19 @@ class TestDistributedOptimizerCallSite:
         assert all(a is b for a, b in zip(_moments(distributed.optimizer), _moments_of(incoming)))
         _assert_same_state(distributed.optimizer, source)
 
+    def test_megatron_fsdp_state_creation_consults_the_registry(self, register, outcomes):
+        distributed = _bare_distributed_optimizer(_trained_adam(0, steps=0))
+        distributed.ddp_config.use_megatron_fsdp = True
+        params = [p for g in distributed.optimizer.param_groups for p in g["params"]]
+        distributed.param_to_name = {p: f"param{i}" for i, p in enumerate(params)}
+
+        state_dict = distributed.sharded_param_state_fsdp_dtensor(is_loading=True)
+
+        (outcome,) = outcomes
+        assert (outcome.hook_point, outcome.adopter) == ("initialize", None)
+        assert outcome.method.endswith("_init_optimizer_states_with_dummy_values")
+        assert sorted(state_dict["state"]) == ["param0", "param1"]
+
 
 def _bare_float16_optimizer(inner, **config_overrides):
     """A Float16OptimizerWithFloat16Params with what load_state_dict reads."""
