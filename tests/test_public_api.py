@@ -64,7 +64,6 @@ def test_the_public_surface_is_this_small() -> None:
     }
     assert beyond_the_package == {
         "adopter": [],
-        "initialize": [],
         "loader": [],
         "outcome": [],
         "registry": ["default_registry"],

@@ -29,8 +29,11 @@ from .adopter import (
     StateExporter,
     StateInitializer,
 )
-from .initialize import initialize_inner_optimizer_state
-from .loader import export_inner_optimizer_state_dict, load_inner_optimizer_state_dict
+from .loader import (
+    export_inner_optimizer_state_dict,
+    initialize_inner_optimizer_state,
+    load_inner_optimizer_state_dict,
+)
 from .outcome import StateAdoptionOutcome
 from .registry import (
     StateAdopterRegistration,

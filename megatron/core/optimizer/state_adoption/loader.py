@@ -1,24 +1,27 @@
-"""The two functions Megatron-Core's optimizers call while they load a checkpoint.
+"""The functions Megatron-Core's optimizers call while they load a checkpoint.
 
 :func:`load_inner_optimizer_state_dict` stands wherever MCore hands loaded state to the inner
 optimizer's ``load_state_dict``: both branches of ``DistributedOptimizer.load_state_dict``
 (its shards, and Megatron-FSDP's DTensors) and the ``load_state_dict`` of
 ``Float16OptimizerWithFloat16Params`` and ``FP32Optimizer`` (without the distributed optimizer).
 :func:`export_inner_optimizer_state_dict` stands where ``DistributedOptimizer.load_state_dict``
-reads the inner optimizer's state dict. Each offers the call to the registered adopters in
-order; the first that accepts handles it. The inner optimizer's own ``state_dict``/``load_state_dict`` runs, exactly
-as it would without this module, when
+reads the inner optimizer's state dict, :func:`initialize_inner_optimizer_state` where
+Megatron-FSDP creates the state a checkpoint is read into (upstream: a dummy ``step()`` on zero
+gradients, which hold 4 bytes per FP32 parameter on top of the new state). Each offers the call
+to the registered adopters (exporters, initializers) in order; the first that accepts handles
+it. The optimizer's own code runs, exactly as it would without this module, when
 
 * adoption is switched off: ``OptimizerConfig.optimizer_state_adoption = False``, or, for the
   drop-in build, ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1`` (an unrecognised value switches
   it off too, with a warning);
 * the optimizer *instance* carries its own method (a wrapper, Megatron-Bridge's loader), or
-  has hooks for it registered: upstream would run them, exactly once;
+  has hooks for it registered: upstream would run them, exactly once (for the initialisation:
+  its ``step`` and step hooks, global ones included; and when it already holds state);
 * no adopter accepts (``MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,...`` skips adopters by
   name), or the accepting one fails (the optimizer is then restored first).
 
 Every call ends in a :class:`~.outcome.StateAdoptionOutcome` with the bytes installed by
-reference and newly allocated, measured from storage identity, also when the own method raises.
+reference and newly allocated, measured from storage identity, also when the own code raises.
 """
 
 import logging
@@ -42,15 +45,20 @@ from typing import (
 )
 
 import torch
+from torch.optim import optimizer as torch_optimizer_module
 
 from megatron.core.utils import log_single_rank
 
-from .adopter import StateAdoptionContext, StateExportContext, StateExporter
+from .adopter import StateAdoptionContext, StateExportContext, StateExporter, StateInitializer
 from .outcome import StateAdoptionOutcome
 from .registry import StateAdopterRegistration, StateAdopterRegistry, default_registry
 from .validation import exported_state_dict_decline_reason, installed_state_decline_reason
 
-__all__ = ["export_inner_optimizer_state_dict", "load_inner_optimizer_state_dict"]
+__all__ = [
+    "export_inner_optimizer_state_dict",
+    "initialize_inner_optimizer_state",
+    "load_inner_optimizer_state_dict",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -682,3 +690,182 @@ def export_inner_optimizer_state_dict(
     _, own = _run_own_method(registry, optimizer, _EXPORT, None, existing, declines, reason)
     own_state_dict: Dict[str, Any] = own
     return own_state_dict
+
+
+# --- the initialize hook point (Megatron-FSDP) ------------------------------------------------
+
+_GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+
+
+def _own_initialization_reason(owner: Any, optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why the own initialisation must run without consulting initializers, or None.
+
+    Hook registries that cannot be inspected count as registered hooks.
+    """
+    reason = _switched_off_reason(getattr(owner, "config", None))
+    if reason is not None:
+        return reason
+    if len(optimizer.state) > 0:
+        return "the inner optimizer already holds state, which the own initialisation steps"
+    if "step" in getattr(optimizer, "__dict__", {}):
+        return (
+            f"the {type(optimizer).__name__} instance has its own step (set on the instance, "
+            "e.g. by a wrapper), which the own initialisation calls"
+        )
+    for kind in ("pre", "post"):
+        hooks = getattr(optimizer, f"_optimizer_step_{kind}_hooks", None)
+        if not isinstance(hooks, Mapping):
+            return f"the optimizer's step {kind}-hooks cannot be inspected"
+        if len(hooks) > 0:
+            return f"a step {kind}-hook is registered, which the own initialisation runs"
+    for name in _GLOBAL_STEP_HOOKS:
+        hooks = getattr(torch_optimizer_module, name, None)
+        if not isinstance(hooks, Mapping) or len(hooks) > 0:
+            return (
+                "global optimizer step hooks are registered (or cannot be inspected), which the "
+                "own initialisation runs"
+            )
+    return None
+
+
+def _initialized_state_problem(
+    optimizer: torch.optim.Optimizer, snapshot: _OptimizerSnapshot
+) -> Optional[str]:
+    """What an initializer got wrong that every initialisation gets right, or None.
+
+    The param groups are the captured ones with their parameters and hyper-parameters, except
+    ``step``, which an optimizer's first step may create or advance (TE keeps its counter there,
+    and the own initialisation steps too); every parameter whose local shard is not empty has a
+    state entry of at least one tensor; nothing else has state.
+    """
+    groups = optimizer.param_groups
+    if len(groups) != len(snapshot.param_groups) or any(
+        group is not captured or set(group) - {"step"} != set(entries) - {"step"}
+        or any(group[key] is not value for key, value in entries.items() if key not in ("params", "step"))
+        or len(group["params"]) != len(params)
+        or any(a is not b for a, b in zip(group["params"], params))
+        for group, captured, entries, params in zip(
+            groups, snapshot.param_groups, snapshot.param_group_entries, snapshot.param_lists
+        )
+    ):  # fmt: skip
+        return "the param groups changed"
+    params = [param for group in snapshot.param_lists for param in group]
+    known = {id(param) for param in params}
+    if any(not isinstance(key, torch.Tensor) or id(key) not in known for key in optimizer.state):
+        return "there is state for something that is no parameter of the optimizer"
+    for index, param in enumerate(params):
+        entry = optimizer.state.get(param)
+        if _local(param).numel() == 0:
+            continue
+        if not isinstance(entry, Mapping) or not any(
+            isinstance(value, torch.Tensor) for value in entry.values()
+        ):
+            return f"parameter {index} has no state"
+    return None
+
+
+def _initialize(
+    registration: Any, initializer: StateInitializer, context: StateExportContext
+) -> Optional[str]:
+    """Let the initializer create the state and check it; on any failure roll back and say why."""
+    optimizer = context.optimizer
+    snapshot = _OptimizerSnapshot.capture(optimizer)
+    try:
+        initializer.initialize_state(context)
+        problem = _initialized_state_problem(optimizer, snapshot)
+        if problem is not None:
+            raise RuntimeError(f"the initialized state is incomplete: {problem}")
+    except BaseException as error:
+        snapshot.restore(optimizer)
+        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: restored, re-raised
+            raise
+        # As in _install: restored, the own initialisation then does what upstream does.
+        logger.warning(
+            "Optimizer state adopter %r failed to initialize the state (%s: %s); the optimizer "
+            "was restored and the own initialisation runs instead",
+            registration.name,
+            type(error).__name__,
+            error,
+        )
+        return f"adopter {registration.name!r} failed to initialize the state"
+    return None
+
+
+def _initialized_by_adopter(
+    registry: StateAdopterRegistry, owner: Any, existing: _Existing, declines: List[Tuple[str, str]]
+) -> Tuple[Optional[StateAdoptionOutcome], str]:
+    """Offer the initialisation to the initializers in order; the first that accepts creates it."""
+    optimizer = owner.optimizer
+    registrations = registry.registrations()
+    disabled = _disabled_adopter_names(registrations)
+    context = StateExportContext.for_owner(owner)
+    for registration in registrations:
+        initializer = registration.adopter
+        if not isinstance(initializer, StateInitializer):
+            continue
+        decline = _ask(registration, initializer.initialize_decline_reason, context, disabled)
+        if decline is not None:
+            declines.append((registration.name, decline))
+            continue
+        failure = _initialize(registration, initializer, context)
+        if failure is not None:
+            return None, failure
+        reused, allocated = _measure(optimizer.state, existing)
+        outcome = StateAdoptionOutcome(
+            _INITIALIZE,
+            _describe(optimizer),
+            registration.name,
+            reused_bytes=reused,
+            allocated_bytes=allocated,
+            declines=tuple(declines),
+        )
+        return _finish(registry, outcome), ""
+    if declines:
+        return None, "every state initializer declined"
+    return None, "no registered adopter is a state initializer"
+
+
+def initialize_inner_optimizer_state(
+    owner: Any,
+    own_initialization: Callable[[], None],
+    registry: Optional[StateAdopterRegistry] = None,
+) -> StateAdoptionOutcome:
+    """Create ``owner.optimizer``'s state for loading, by the first accepting initializer.
+
+    Args:
+        owner (Any): the Megatron-FSDP ``DistributedOptimizer`` whose inner optimizer's state is
+            created.
+        own_initialization (Callable[[], None]): what the owner does without this module (its
+            dummy step on zero gradients); runs whenever no initializer does.
+        registry (StateAdopterRegistry, optional): the adopters to consult; defaults to the
+            process-wide registry.
+
+    Returns:
+        StateAdoptionOutcome: which initializer created the state, or that the own
+        initialisation did and why (also handed to the outcome hooks).
+    """
+    registry = default_registry() if registry is None else registry
+    optimizer = owner.optimizer
+    existing = _existing_storages(optimizer.state)
+    declines: List[Tuple[str, str]] = []
+    reason = _own_initialization_reason(owner, optimizer)
+    if reason is None:
+        with _outcome_if_interrupted(registry, _INITIALIZE, optimizer, declines):
+            outcome, reason = _initialized_by_adopter(registry, owner, existing, declines)
+        if outcome is not None:
+            return outcome
+    own = StateAdoptionOutcome(
+        _INITIALIZE,
+        _describe(optimizer),
+        None,
+        method=getattr(own_initialization, "__qualname__", repr(own_initialization)),
+        declines=tuple(declines),
+        fallback_reason=reason,
+    )
+    try:
+        own_initialization()
+    except BaseException as error:  # recorded, then re-raised unchanged
+        _finish(registry, replace(own, error=f"{type(error).__name__}: {error}"))
+        raise
+    reused, allocated = _measure(optimizer.state, existing)
+    return _finish(registry, replace(own, reused_bytes=reused, allocated_bytes=allocated))

@@ -34,7 +34,6 @@ from megatron.core.utils import get_te_version
 from .adopter import StateAdoptionContext, StateExportContext
 from .validation import (
     ExpectedState,
-    _local_tensor,
     first_decline_reason,
     incoming_state_decline_reason,
     owner_decline_reason,
@@ -227,7 +226,7 @@ class TEFusedAdamFP32StateAdopter:
     def _param_decline_reason(self, param: torch.Tensor) -> Optional[str]:
         """Accept plain FP32 parameters on the expected device type, or DTensor parameters
         whose local shard is one (Megatron-FSDP's)."""
-        local = _local_tensor(param)
+        local = _local_shard(param)
         if type(local) not in (torch.Tensor, torch.nn.Parameter):
             return f"is a {type(param).__name__}, not a plain tensor or a DTensor of one"
         if param.dtype != torch.float32:
@@ -235,6 +234,13 @@ class TEFusedAdamFP32StateAdopter:
         if param.device.type != self._param_device_type:
             return f"is on {param.device}, not on {self._param_device_type}"
         return None
+
+
+def _local_shard(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local shard (Megatron-FSDP), or the parameter itself."""
+    to_local = getattr(param, "to_local", None)
+    local: torch.Tensor = to_local() if callable(to_local) else param
+    return local
 
 
 def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
