@@ -2,6 +2,7 @@
 
 import sys
 from pathlib import Path
+from typing import Any, Iterator, List
 
 import pytest
 
@@ -11,7 +12,11 @@ sys.path.insert(0, str(TESTS_DIR.parent))  # benchmarks/ (its model builder serv
 
 from builders import standin_registry  # noqa: E402
 
-from megatron.core.optimizer.state_adoption import StateAdopterRegistry  # noqa: E402
+from megatron.core.optimizer.state_adoption import (  # noqa: E402
+    StateAdopterRegistry,
+    StateAdoptionOutcome,
+    register_outcome_hook,
+)
 
 
 @pytest.fixture
@@ -32,3 +37,26 @@ def _fresh_configuration_warnings() -> None:
     from megatron.core.optimizer.state_adoption import loader
 
     loader._warned.clear()
+
+
+@pytest.fixture
+def outcomes() -> Iterator[List[StateAdoptionOutcome]]:
+    """Every outcome the process-wide registry reports while the test runs."""
+    recorded: List[StateAdoptionOutcome] = []
+    handle = register_outcome_hook(recorded.append)
+    yield recorded
+    handle.remove()
+
+
+@pytest.fixture(scope="module")
+def cpu_mesh() -> Iterator[Any]:
+    """A one-rank CPU device mesh on a gloo group, for real DTensors (Megatron-FSDP's state)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    if created:
+        dist.destroy_process_group()

@@ -29,7 +29,6 @@ from mcore_owners import MCORE_PARAM_GROUP_KEYS, CpuDistributedOptimizer, CpuFlo
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.state_adoption import (
     StateAdoptionOutcome,
-    register_outcome_hook,
     register_state_adopter,
 )
 
@@ -71,14 +70,6 @@ SITES = {
 @pytest.fixture(params=sorted(SITES))
 def site(request: pytest.FixtureRequest) -> Site:
     return SITES[request.param]
-
-
-@pytest.fixture
-def outcomes() -> Iterator[List[StateAdoptionOutcome]]:
-    recorded: List[StateAdoptionOutcome] = []
-    handle = register_outcome_hook(recorded.append)
-    yield recorded
-    handle.remove()
 
 
 def _registered(adopter: Any) -> Iterator[Any]:

@@ -28,7 +28,6 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.state_adoption import (
     StateAdoptionOutcome,
-    register_outcome_hook,
     register_state_adopter,
 )
 
@@ -79,14 +78,6 @@ def adam_adopter() -> Iterator[PyTorchLoaderAdopter]:
     adopter = PyTorchLoaderAdopter("test_torch_adam", torch.optim.Adam)
     handle = register_state_adopter(adopter, prepend=True)
     yield adopter
-    handle.remove()
-
-
-@pytest.fixture
-def outcomes() -> Iterator[List[StateAdoptionOutcome]]:
-    recorded: List[StateAdoptionOutcome] = []
-    handle = register_outcome_hook(recorded.append)
-    yield recorded
     handle.remove()
 
 

@@ -16,11 +16,10 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
-import torch.distributed as dist
 from builders import config_with, ddp_config_with, registry_of, standin_adopter
 from fused_adam_standin import FusedAdamStandIn
 from mcore_owners import MCORE_PARAM_GROUP_KEYS, CpuDistributedOptimizer
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -28,7 +27,6 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.state_adoption import (
     StateAdoptionOutcome,
     initialize_inner_optimizer_state,
-    register_outcome_hook,
     register_state_adopter,
 )
 
@@ -39,30 +37,14 @@ DISABLED_ADOPTERS_ENV_VAR = "MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS"
 STANDIN = "te_fused_adam_fp32_standin"
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+def _dtensor(local: torch.Tensor, cpu_mesh: DeviceMesh) -> DTensor:
+    return DTensor.from_local(local, cpu_mesh, [Shard(0)], run_check=False)
 
 
-@pytest.fixture
-def outcomes() -> Iterator[List[StateAdoptionOutcome]]:
-    recorded: List[StateAdoptionOutcome] = []
-    handle = register_outcome_hook(recorded.append)
-    yield recorded
-    handle.remove()
-
-
-def _dtensor(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-
-
-def _owner(mesh: DeviceMesh, seed: int = 0, config: Any = None) -> CpuDistributedOptimizer:
+def _owner(cpu_mesh: DeviceMesh, seed: int = 0, config: Any = None) -> CpuDistributedOptimizer:
     """A Megatron-FSDP DistributedOptimizer over fresh DTensor parameters (no state yet)."""
     generator = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(_dtensor(torch.randn(s, generator=generator), mesh)) for s in SHAPES]
+    params = [torch.nn.Parameter(_dtensor(torch.randn(s, generator=generator), cpu_mesh)) for s in SHAPES]
     inner = FusedAdamStandIn(
         [{"params": params[:2], **MCORE_PARAM_GROUP_KEYS}, {"params": params[2:], **MCORE_PARAM_GROUP_KEYS, "wd_mult": 0.0}],
         lr=1e-2,
@@ -108,9 +90,9 @@ def standin() -> Iterator[Any]:
 
 
 def test_the_default_adopter_creates_the_dummy_steps_state_without_its_gradients(
-    mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], monkeypatch: pytest.MonkeyPatch
+    cpu_mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ours, own = _owner(mesh), _owner(mesh)
+    ours, own = _owner(cpu_mesh), _owner(cpu_mesh)
     ours.sharded_param_state_fsdp_dtensor(is_loading=True)
     grads_seen = [p.grad for p in _params(ours.optimizer)]
     (created,) = outcomes
@@ -130,12 +112,12 @@ def test_the_default_adopter_creates_the_dummy_steps_state_without_its_gradients
     assert not _same_bits([p.to_local() for p in _params(ours.optimizer)], [p.to_local() for p in _params(own.optimizer)])
 
 
-def _checkpoint(mesh: DeviceMesh) -> Dict[str, Any]:
+def _checkpoint(cpu_mesh: DeviceMesh) -> Dict[str, Any]:
     """What a Megatron-FSDP run saved: its parameters, state and group metadata after 2 steps."""
-    trained = _owner(mesh, seed=0)
+    trained = _owner(cpu_mesh, seed=0)
     for _ in range(2):
         for param in _params(trained.optimizer):
-            param.grad = _dtensor(torch.full(param.to_local().shape, 0.5), mesh)
+            param.grad = _dtensor(torch.full(param.to_local().shape, 0.5), cpu_mesh)
         trained.optimizer.step()
     saved = trained.sharded_param_state_fsdp_dtensor(is_loading=False)
     return {
@@ -163,14 +145,14 @@ def _resume(owner: CpuDistributedOptimizer, checkpoint: Dict[str, Any]) -> None:
 
 
 def test_a_resume_through_the_initializer_equals_the_own_path_bit_for_bit_and_so_does_the_next_step(
-    mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], monkeypatch: pytest.MonkeyPatch
+    cpu_mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    checkpoint = _checkpoint(mesh)
-    ours = _owner(mesh, seed=1)
+    checkpoint = _checkpoint(cpu_mesh)
+    ours = _owner(cpu_mesh, seed=1)
     _resume(ours, checkpoint)
     assert [(o.hook_point, o.adopter) for o in outcomes] == [("initialize", STANDIN), ("load", STANDIN)]
     _own_path_disabled(monkeypatch)
-    own = _owner(mesh, seed=1)
+    own = _owner(cpu_mesh, seed=1)
     _resume(own, checkpoint)
     assert [(o.hook_point, o.adopter) for o in outcomes[2:]] == [("initialize", None), ("load", None)]
     for optimizer in (ours.optimizer, own.optimizer):
@@ -179,7 +161,7 @@ def test_a_resume_through_the_initializer_equals_the_own_path_bit_for_bit_and_so
     assert _same_bits([p.to_local() for p in _params(ours.optimizer)], [p.to_local() for p in _params(own.optimizer)])
     for owner in (ours, own):
         for param in _params(owner.optimizer):
-            param.grad = _dtensor(torch.full(param.to_local().shape, -0.25), mesh)
+            param.grad = _dtensor(torch.full(param.to_local().shape, -0.25), cpu_mesh)
         owner.optimizer.step()
     assert _same_bits([t for _, t in _state_locals(ours.optimizer)], [t for _, t in _state_locals(own.optimizer)])
     assert _same_bits([p.to_local() for p in _params(ours.optimizer)], [p.to_local() for p in _params(own.optimizer)])
@@ -223,21 +205,21 @@ CENTRAL_RULES = {
 
 @pytest.mark.parametrize("change, reason", CENTRAL_RULES.values(), ids=CENTRAL_RULES.keys())
 def test_the_central_rules_send_the_initialisation_to_the_own_path(
-    mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], change: Any, reason: str
+    cpu_mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], change: Any, reason: str
 ) -> None:
-    owner = _owner(mesh)
+    owner = _owner(cpu_mesh)
     change(owner)
     created = _own_runs(owner, outcomes)
     assert created.fallback_reason == reason and created.declines == ()
 
 
 def test_a_global_step_hook_sends_the_initialisation_to_the_own_path(
-    mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome]
+    cpu_mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome]
 ) -> None:
     ran: List[int] = []
     handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: ran.append(1))
     try:
-        created = _own_runs(_owner(mesh), outcomes)
+        created = _own_runs(_owner(cpu_mesh), outcomes)
     finally:
         handle.remove()
     assert created.fallback_reason == (
@@ -247,18 +229,18 @@ def test_a_global_step_hook_sends_the_initialisation_to_the_own_path(
 
 
 def test_switches_and_disabling_by_name_reach_the_initialisation(
-    mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], monkeypatch: pytest.MonkeyPatch
+    cpu_mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert _own_runs(_owner(mesh, config=config_with(optimizer_state_adoption=False)), outcomes).fallback_reason == (
+    assert _own_runs(_owner(cpu_mesh, config=config_with(optimizer_state_adoption=False)), outcomes).fallback_reason == (
         "OptimizerConfig.optimizer_state_adoption is False"
     )
     outcomes.clear()
     monkeypatch.setenv(DISABLE_ENV_VAR, "1")
-    assert _own_runs(_owner(mesh), outcomes).fallback_reason == f"{DISABLE_ENV_VAR}=1 is set"
+    assert _own_runs(_owner(cpu_mesh), outcomes).fallback_reason == f"{DISABLE_ENV_VAR}=1 is set"
     outcomes.clear()
     monkeypatch.delenv(DISABLE_ENV_VAR)
     _own_path_disabled(monkeypatch)
-    created = _own_runs(_owner(mesh), outcomes)
+    created = _own_runs(_owner(cpu_mesh), outcomes)
     assert (STANDIN, f"disabled by {DISABLED_ADOPTERS_ENV_VAR}") in created.declines
 
 
@@ -277,10 +259,10 @@ DECLINES = {
 
 @pytest.mark.parametrize("change, reason", DECLINES.values(), ids=DECLINES.keys())
 def test_each_decline_rule_of_the_default_adopter_names_itself(
-    mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], change: Any, reason: str
+    cpu_mesh: DeviceMesh, standin: Any, outcomes: List[StateAdoptionOutcome], change: Any, reason: str
 ) -> None:
     """(The owner and the optimizer here are our test objects: changing them is the test's input.)"""
-    owner = _owner(mesh)
+    owner = _owner(cpu_mesh)
     change(owner)
     if reason == "FusedAdam.master_weights is set":  # the stand-in cannot step with master weights
         outcome = initialize_inner_optimizer_state(owner, lambda: None, registry=registry_of(standin_adopter()))
@@ -325,9 +307,9 @@ class _Initializer:
     ],
 )
 def test_a_failing_initializer_is_rolled_back_and_the_own_path_runs(
-    mesh: DeviceMesh, outcomes: List[StateAdoptionOutcome], caplog: pytest.LogCaptureFixture, behaviour: str, problem: str
+    cpu_mesh: DeviceMesh, outcomes: List[StateAdoptionOutcome], caplog: pytest.LogCaptureFixture, behaviour: str, problem: str
 ) -> None:
-    owner = _owner(mesh)
+    owner = _owner(cpu_mesh)
     initializer = _Initializer(behaviour)
     handle = register_state_adopter(initializer, prepend=True)
     try:
@@ -341,7 +323,7 @@ def test_a_failing_initializer_is_rolled_back_and_the_own_path_runs(
     assert len(owner.optimizer.state) == len(SHAPES)  # the dummy step's state, nothing of the initializer's
 
 
-def test_an_own_initialisation_that_raises_is_recorded_and_re_raised(mesh: DeviceMesh) -> None:
+def test_an_own_initialisation_that_raises_is_recorded_and_re_raised(cpu_mesh: DeviceMesh) -> None:
     def own() -> None:
         raise ValueError("dummy step failed")
 
@@ -349,6 +331,6 @@ def test_an_own_initialisation_that_raises_is_recorded_and_re_raised(mesh: Devic
     recorded: List[StateAdoptionOutcome] = []
     registry.register_outcome_hook(recorded.append)
     with pytest.raises(ValueError, match="dummy step failed"):
-        initialize_inner_optimizer_state(_owner(mesh), own, registry=registry)
+        initialize_inner_optimizer_state(_owner(cpu_mesh), own, registry=registry)
     (created,) = recorded
     assert created.error == "ValueError: dummy step failed" and created.fallback_reason == "no registered adopter is a state initializer"

@@ -454,6 +454,32 @@ def _run_own_method(
     )
 
 
+@dataclass
+class _Attempt:
+    """What :func:`_undone_if_it_fails` yields: the snapshot taken, and the error, if any."""
+
+    snapshot: "_OptimizerSnapshot"
+    error: Optional[Exception] = None
+
+
+@contextmanager
+def _undone_if_it_fails(optimizer: torch.optim.Optimizer) -> Iterator[_Attempt]:
+    """Run the block on ``optimizer``; if it raises, restore the optimizer's containers.
+
+    An ``Exception`` is kept in the attempt (the caller falls back to the own code); anything
+    else (``KeyboardInterrupt``, ``SystemExit``) is re-raised after the restore.
+    """
+    attempt = _Attempt(_OptimizerSnapshot.capture(optimizer))
+    try:
+        yield attempt
+    except Exception as error:
+        attempt.snapshot.restore(optimizer)
+        attempt.error = error
+    except BaseException:
+        attempt.snapshot.restore(optimizer)
+        raise
+
+
 def _install(
     registration: StateAdopterRegistration,
     context: StateAdoptionContext,
@@ -461,30 +487,27 @@ def _install(
 ) -> Optional[str]:
     """Let the adopter install the state and check it against ``pristine`` (the state dict's
     containers as they were before the call); on any failure roll back and say why."""
-    snapshot = _OptimizerSnapshot.capture(context.optimizer)
-    try:
+    with _undone_if_it_fails(context.optimizer) as attempt:
         registration.adopter.adopt(context)
-        problem = installed_state_decline_reason(context.optimizer, pristine, snapshot.param_lists)
+        params = attempt.snapshot.param_lists
+        problem = installed_state_decline_reason(context.optimizer, pristine, params)
         if problem is not None:
             raise RuntimeError(f"the installed state does not match the state dict: {problem}")
-    except BaseException as error:
-        snapshot.restore(context.optimizer)
-        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: restored, re-raised
-            raise
-        # Rolling back is safer than raising: the adopter was only offered a load the own
-        # loader can do, no hook has run (optimizers with load hooks never reach an
-        # adopter), and the containers are restored exactly, so the own loader then does
-        # what upstream does. Raising would fail a resume that upstream completes.
-        logger.warning(
-            "Optimizer state adopter %r failed while installing the state (%s: %s); the "
-            "optimizer was restored and %s.load_state_dict loads the state instead",
-            registration.name,
-            type(error).__name__,
-            error,
-            type(context.optimizer).__name__,
-        )
-        return f"adopter {registration.name!r} failed while installing the state"
-    return None
+    if attempt.error is None:
+        return None
+    # Rolling back is safer than raising: the adopter was only offered a load the own loader
+    # can do, no hook has run (optimizers with load hooks never reach an adopter), and the
+    # containers are restored exactly, so the own loader then does what upstream does.
+    # Raising would fail a resume that upstream completes.
+    logger.warning(
+        "Optimizer state adopter %r failed while installing the state (%s: %s); the "
+        "optimizer was restored and %s.load_state_dict loads the state instead",
+        registration.name,
+        type(attempt.error).__name__,
+        attempt.error,
+        type(context.optimizer).__name__,
+    )
+    return f"adopter {registration.name!r} failed while installing the state"
 
 
 def _export(
@@ -492,31 +515,28 @@ def _export(
 ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """Let the exporter supply the state dict and check it; on any failure say why."""
     optimizer = context.optimizer
-    snapshot = _OptimizerSnapshot.capture(optimizer)
-    try:
-        exported: Any = exporter.export_state_dict(context)
-        problem = snapshot.change(optimizer)
+    exported: Any = None
+    with _undone_if_it_fails(optimizer) as attempt:
+        exported = exporter.export_state_dict(context)
+        problem = attempt.snapshot.change(optimizer)
         if problem is not None:
             raise RuntimeError(f"exporting changed the optimizer: {problem}")
         problem = exported_state_dict_decline_reason(optimizer, exported)
         if problem is not None:
             raise ValueError(f"the exported state dict does not match the optimizer: {problem}")
-    except BaseException as error:
-        # Falling back is safer than raising for the same reasons as in _install; an exporter
-        # must change nothing, and the restore undoes one that did.
-        snapshot.restore(optimizer)
-        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: restored, re-raised
-            raise
-        logger.warning(
-            "Optimizer state adopter %r failed to export the state (%s: %s); %s.state_dict is "
-            "used instead",
-            registration.name,
-            type(error).__name__,
-            error,
-            type(optimizer).__name__,
-        )
-        return None, f"adopter {registration.name!r} failed to export the state"
-    return exported, None
+    if attempt.error is None:
+        return exported, None
+    # Falling back is safer than raising for the same reasons as in _install; an exporter must
+    # change nothing, and the restore undoes one that did.
+    logger.warning(
+        "Optimizer state adopter %r failed to export the state (%s: %s); %s.state_dict is "
+        "used instead",
+        registration.name,
+        type(attempt.error).__name__,
+        attempt.error,
+        type(optimizer).__name__,
+    )
+    return None, f"adopter {registration.name!r} failed to export the state"
 
 
 @contextmanager
@@ -765,30 +785,28 @@ def _initialized_state_problem(
 
 
 def _initialize(
-    registration: Any, initializer: StateInitializer, context: StateExportContext
+    registration: StateAdopterRegistration,
+    initializer: StateInitializer,
+    context: StateExportContext,
 ) -> Optional[str]:
     """Let the initializer create the state and check it; on any failure roll back and say why."""
     optimizer = context.optimizer
-    snapshot = _OptimizerSnapshot.capture(optimizer)
-    try:
+    with _undone_if_it_fails(optimizer) as attempt:
         initializer.initialize_state(context)
-        problem = _initialized_state_problem(optimizer, snapshot)
+        problem = _initialized_state_problem(optimizer, attempt.snapshot)
         if problem is not None:
             raise RuntimeError(f"the initialized state is incomplete: {problem}")
-    except BaseException as error:
-        snapshot.restore(optimizer)
-        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: restored, re-raised
-            raise
-        # As in _install: restored, the own initialisation then does what upstream does.
-        logger.warning(
-            "Optimizer state adopter %r failed to initialize the state (%s: %s); the optimizer "
-            "was restored and the own initialisation runs instead",
-            registration.name,
-            type(error).__name__,
-            error,
-        )
-        return f"adopter {registration.name!r} failed to initialize the state"
-    return None
+    if attempt.error is None:
+        return None
+    # As in _install: restored, the own initialisation then does what upstream does.
+    logger.warning(
+        "Optimizer state adopter %r failed to initialize the state (%s: %s); the optimizer "
+        "was restored and the own initialisation runs instead",
+        registration.name,
+        type(attempt.error).__name__,
+        attempt.error,
+    )
+    return f"adopter {registration.name!r} failed to initialize the state"
 
 
 def _initialized_by_adopter(
