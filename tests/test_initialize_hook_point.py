@@ -10,12 +10,14 @@ The tests run on real DTensors of a one-rank gloo group, through the installed
 DistributedOptimizer's own methods (:mod:`mcore_owners`).
 """
 
+import functools
 import logging
 import types
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
+from adopters_for_tests import PyTorchLoaderAdopter
 from builders import config_with, ddp_config_with, registry_of, standin_adopter
 from fused_adam_standin import FusedAdamStandIn
 from mcore_owners import MCORE_PARAM_GROUP_KEYS, CpuDistributedOptimizer
@@ -26,9 +28,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.state_adoption import (
     StateAdoptionOutcome,
+    StateExportContext,
     initialize_inner_optimizer_state,
     register_state_adopter,
 )
+from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 SHAPES = [(12,), (4, 3), (0,), (6,)]
 ELEMENTS = 12 + 12 + 0 + 6
@@ -290,12 +294,23 @@ class _Initializer:
 
     def initialize_state(self, context: Any) -> None:
         optimizer = context.optimizer
-        first = _params(optimizer)[0]
-        optimizer.initialize_state(first)
+        params = _params(optimizer)
+        optimizer.initialize_state(params[0])
         if self.behaviour == "raises":
             raise RuntimeError("initializer exploded")
         if self.behaviour == "changes_a_group":
             optimizer.param_groups[0]["lr"] = 99.0
+        if self.behaviour in ("skips_the_last_param", "replaces_a_group", "appends_to_a_group", "adds_foreign_state"):
+            optimizer.initialize_state(params[1])  # params[2] is empty, params[3] stays without state
+        if self.behaviour in ("replaces_a_group", "appends_to_a_group", "adds_foreign_state"):
+            optimizer.initialize_state(params[2])
+            optimizer.initialize_state(params[3])
+        if self.behaviour == "replaces_a_group":
+            optimizer.param_groups[0] = dict(optimizer.param_groups[0])  # equal, but not the group
+        if self.behaviour == "appends_to_a_group":
+            optimizer.param_groups[0]["params"].append(torch.zeros(1))
+        if self.behaviour == "adds_foreign_state":
+            optimizer.state[torch.zeros(1)] = {"exp_avg": torch.zeros(1)}
 
 
 @pytest.mark.parametrize(
@@ -304,6 +319,10 @@ class _Initializer:
         ("raises", "RuntimeError: initializer exploded"),
         ("leaves_params_without_state", "parameter 1 has no state"),
         ("changes_a_group", "the param groups changed"),
+        ("skips_the_last_param", "parameter 3 has no state"),  # after the empty shard, parameter 2
+        ("replaces_a_group", "the param groups changed"),
+        ("appends_to_a_group", "the param groups changed"),
+        ("adds_foreign_state", "there is state for something that is no parameter of the optimizer"),
     ],
 )
 def test_a_failing_initializer_is_rolled_back_and_the_own_path_runs(
@@ -318,7 +337,11 @@ def test_a_failing_initializer_is_rolled_back_and_the_own_path_runs(
     finally:
         handle.remove()
     assert created.fallback_reason == f"adopter '{initializer.name}' failed to initialize the state"
-    assert problem in caplog.text
+    error = problem if behaviour == "raises" else f"RuntimeError: the initialized state is incomplete: {problem}"
+    assert caplog.messages == [
+        f"Optimizer state adopter '{initializer.name}' failed to initialize the state ({error}); the optimizer "
+        "was restored and the own initialisation runs instead"
+    ]
     assert [g["lr"] for g in owner.optimizer.param_groups] == [1e-2, 1e-2]
     assert len(owner.optimizer.state) == len(SHAPES)  # the dummy step's state, nothing of the initializer's
 
@@ -334,3 +357,108 @@ def test_an_own_initialisation_that_raises_is_recorded_and_re_raised(cpu_mesh: D
         initialize_inner_optimizer_state(_owner(cpu_mesh), own, registry=registry)
     (created,) = recorded
     assert created.error == "ValueError: dummy step failed" and created.fallback_reason == "no registered adopter is a state initializer"
+
+
+class _CreatingInitializer(_Initializer):
+    """Creates the state of every parameter whose local shard is not empty, and nothing else."""
+
+    def initialize_state(self, context: Any) -> None:
+        for param in _params(context.optimizer):
+            if param.to_local().numel() > 0:
+                context.optimizer.initialize_state(param)
+
+
+def _initialize_with(owner: CpuDistributedOptimizer, *adopters: Any, own: Any = None) -> StateAdoptionOutcome:
+    return initialize_inner_optimizer_state(owner, own or (lambda: None), registry=registry_of(*adopters))
+
+
+def test_an_empty_shard_may_stay_without_state_and_groups_may_carry_a_step_already(cpu_mesh: DeviceMesh) -> None:
+    """Completeness means state for every parameter with a non-empty local shard; a group's
+    ``step`` (there before, advanced or created by the initializer) is not a change."""
+    owner = _owner(cpu_mesh)
+    owner.optimizer.param_groups[0]["step"] = 7
+    outcome = _initialize_with(owner, _CreatingInitializer("creating"))
+    assert outcome.adopter == "test_creating" and _params(owner.optimizer)[2] not in owner.optimizer.state
+    owner = _owner(cpu_mesh)
+    owner.optimizer.param_groups[0]["step"] = 7
+    assert _initialize_with(owner, standin_adopter()).adopter == "te_fused_adam_fp32"
+    assert [g["step"] for g in owner.optimizer.param_groups] == [8, 1]  # TE's step advanced or created it
+
+
+def test_an_initializer_may_replace_a_params_list_by_an_equal_one(cpu_mesh: DeviceMesh) -> None:
+    class _Relisting(_CreatingInitializer):
+        def initialize_state(self, context: Any) -> None:
+            super().initialize_state(context)
+            context.optimizer.param_groups[1]["params"] = list(context.optimizer.param_groups[1]["params"])
+
+    assert _initialize_with(_owner(cpu_mesh), _Relisting("relisting")).adopter == "test_relisting"
+
+
+def test_initializers_are_asked_in_order_past_adopters_and_declining_initializers(cpu_mesh: DeviceMesh) -> None:
+    class _Declining(_CreatingInitializer):
+        def initialize_decline_reason(self, context: Any) -> Any:
+            return "not today"
+
+    adopter_only = PyTorchLoaderAdopter("adopter_only")
+    outcome = _initialize_with(_owner(cpu_mesh), adopter_only, _Declining("declining"), _CreatingInitializer("creating"))
+    assert outcome.adopter == "test_creating" and outcome.declines == (("test_declining", "not today"),)
+    assert adopter_only.checked == []  # an adopter that is no initializer is not asked
+
+
+def test_an_owner_without_configs_reaches_the_initializers_which_decline_it(cpu_mesh: DeviceMesh) -> None:
+    bare = types.SimpleNamespace(optimizer=_owner(cpu_mesh).optimizer)  # no config, ddp_config, stub flag
+    outcome = _initialize_with(bare, standin_adopter())
+    assert outcome.declines == (("te_fused_adam_fp32", "the owner's OptimizerConfig is unknown"),)
+
+
+def test_missing_step_hook_registries_count_as_hooks(cpu_mesh: DeviceMesh) -> None:
+    owner = _owner(cpu_mesh)
+    del owner.optimizer._optimizer_step_post_hooks  # our test optimizer, without its registry
+    created: List[Any] = []
+    outcome = _initialize_with(owner, standin_adopter(), own=lambda: created.append(1))
+    assert outcome.fallback_reason == "the optimizer's step post-hooks cannot be inspected" and created == [1]
+
+
+def test_an_interrupted_check_ends_in_an_outcome_and_propagates(cpu_mesh: DeviceMesh) -> None:
+    class _Interrupting(_CreatingInitializer):
+        def initialize_decline_reason(self, context: Any) -> Any:
+            raise KeyboardInterrupt("stop")
+
+    class _Declining(_CreatingInitializer):
+        def initialize_decline_reason(self, context: Any) -> Any:
+            return "no"
+
+    owner = _owner(cpu_mesh)
+    registry = registry_of(_Declining("first"), _Interrupting("interrupting"))
+    recorded: List[StateAdoptionOutcome] = []
+    registry.register_outcome_hook(recorded.append)
+    with pytest.raises(KeyboardInterrupt):
+        initialize_inner_optimizer_state(owner, lambda: None, registry=registry)
+    (outcome,) = recorded
+    assert (outcome.hook_point, outcome.adopter, outcome.declines) == ("initialize", None, (("test_first", "no"),))
+    assert outcome.fallback_reason == "interrupted while consulting the adopters"
+    assert outcome.error == "KeyboardInterrupt: stop" and outcome.optimizer.startswith("FusedAdamStandIn 0x")
+
+
+def test_an_own_initialisation_without_a_qualified_name_is_named_by_its_repr(cpu_mesh: DeviceMesh) -> None:
+    own = functools.partial(lambda owner: None, None)
+    outcome = _initialize_with(_owner(cpu_mesh), own=own)
+    assert outcome.method == repr(own)
+
+
+def test_the_default_adopter_checks_every_parameter_the_te_release_and_decoupled_gradients(cpu_mesh: DeviceMesh) -> None:
+    owner = _owner(cpu_mesh)
+    param = _params(owner.optimizer)[3]
+    param.decoupled_grad = torch.zeros_like(param)  # what MCore sets in precision-aware runs
+    assert standin_adopter().initialize_decline_reason(StateExportContext.for_owner(owner)) == (
+        "parameter 3 has a decoupled_grad, which a step would apply"
+    )
+    bf16 = _owner(cpu_mesh)
+    bf16.optimizer.param_groups[1]["params"][1] = torch.nn.Parameter(_dtensor(torch.zeros(3, dtype=torch.bfloat16), cpu_mesh))
+    assert standin_adopter().initialize_decline_reason(StateExportContext.for_owner(bf16)) == (
+        "parameter 3: is torch.bfloat16, not torch.float32"
+    )
+    te_2_0 = _owner(cpu_mesh)
+    te_2_0.optimizer = FusedAdamStandIn(te_2_0.optimizer.param_groups, lr=1e-2, te_release=(2, 0))
+    adopter = TEFusedAdamFP32StateAdopter(fused_adam_class=FusedAdamStandIn, param_device_type="cpu", te_version="2.0.0")
+    assert adopter.initialize_decline_reason(StateExportContext.for_owner(te_2_0)) is None

@@ -106,6 +106,11 @@ def test_an_owner_without_a_ddp_config_is_a_non_distributed_optimizer_and_fits()
     assert owner_decline_reason(_context(ddp_config=None, config=None)) == "the owner's OptimizerConfig is unknown"
 
 
+def test_the_megatron_fsdp_rule_comes_first() -> None:
+    both = _context(ddp_config=ddp_config_with(use_megatron_fsdp=True), config=config_with(optimizer_cpu_offload=True))
+    assert owner_decline_reason(both) == "use_megatron_fsdp is set: Megatron-FSDP manages the state"
+
+
 def test_megatron_fsdp_fits_only_an_adopter_that_asks_for_it() -> None:
     fsdp = _context(ddp_config=ddp_config_with(use_megatron_fsdp=True))
     assert owner_decline_reason(fsdp) == "use_megatron_fsdp is set: Megatron-FSDP manages the state"
