@@ -1,16 +1,20 @@
-"""The state adopter and exporter protocols, and the contexts they are given.
+"""The state adopter, exporter and initializer protocols, and the contexts they are given.
 
 A *state adopter* installs an inner optimizer's state while a Megatron optimizer (a
 ``DistributedOptimizer``, with or without Megatron-FSDP, or a non-distributed
 ``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer``) loads a checkpoint, instead of the
-inner optimizer's own ``load_state_dict``. Its purpose is to
-avoid work the own loader would do needlessly, e.g. allocating a second copy of tensors that
-already have the exact dtype, device and shape the optimizer uses.
+inner optimizer's own ``load_state_dict``. Its purpose is to avoid work the own loader would do
+needlessly, e.g. allocating a second copy of tensors that already have the exact dtype, device
+and shape the optimizer uses.
 
 A *state exporter* (an adopter that also implements :class:`StateExporter`) supplies the inner
 state dict that ``DistributedOptimizer.load_state_dict`` starts from, instead of the inner
 optimizer's own ``state_dict()``: the state as the optimizer holds it, where the own method
 would return converted copies.
+
+A *state initializer* (an adopter that also implements :class:`StateInitializer`) creates the
+state a Megatron-FSDP checkpoint is read into, instead of Megatron-FSDP's dummy step on zero
+gradients.
 """
 
 from dataclasses import dataclass
