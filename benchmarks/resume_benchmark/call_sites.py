@@ -207,6 +207,10 @@ def _load(path: str, model_chunks: list[Any], optimizer: Any, directory: Path) -
 
         state_dict = _fsdp_state_dict(model_chunks, optimizer, True)
         dcp.load(state_dict, checkpoint_id=str(directory))  # in place, model parameters included
+        # As Megatron-LM's load_checkpoint: the model's load_state_dict, whose post-hook
+        # (Megatron-FSDP's install_optimized_model_weights) refreshes the compute weights from
+        # the loaded main weights; torch.distributed.checkpoint.load alone does not run it.
+        model_chunks[0].load_state_dict(state_dict["model"], strict=False)
         optimizer.load_state_dict(state_dict["optimizer"])
         return
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint

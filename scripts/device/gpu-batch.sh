@@ -116,7 +116,7 @@ case $batch in
       --json-out "$res/call-sites-$1.json" --markdown-out "$res/call-sites-$1.md" > "$res/call-sites-$1.log" 2>&1
     echo "call-sites-$1 exit $?" >> "$res/exits.txt"; cp -r "/tmp/work-4-$1" "$res/raw-$1" 2>/dev/null
   }
-  for p in megatron_fsdp float16_wrapper fp32_wrapper cpu_offload; do lane sites $p; done
+  for p in ${PATHS:-megatron_fsdp float16_wrapper fp32_wrapper cpu_offload}; do lane sites $p; done
   [[ -n "${GPU_TESTS:-}" ]] && lane eval 'PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1'
   ;;
 *) echo "unknown batch $batch" >&2; exit 2 ;;
