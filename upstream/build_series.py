@@ -956,8 +956,10 @@ raising check declines; a raising adoption, or one that installs
 nothing, is rolled back and the optimizer's own loader runs; a
 malformed export is not used; an own loader that raises is reported
 and re-raised), the default adopter with
-Transformer Engine's FusedAdam, and a DistributedOptimizer save and load
-through dist_checkpointing with bitwise-equal state.
+Transformer Engine's FusedAdam, a DistributedOptimizer save and load
+through dist_checkpointing with bitwise-equal state, and the other call
+sites: Megatron-FSDP's load and state creation, and the load of
+Float16OptimizerWithFloat16Params and FP32Optimizer.
 """
 
 TESTS_MESSAGE_OFFLOADER = """
