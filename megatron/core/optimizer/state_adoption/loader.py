@@ -42,6 +42,7 @@ from typing import (
     Set,
     Tuple,
     Union,
+    cast,
 )
 
 import torch
@@ -284,7 +285,7 @@ class _OptimizerSnapshot:
 
     def change(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
         """What differs in ``optimizer``'s containers from the capture (by identity), or None."""
-        state, groups = optimizer.state, optimizer.param_groups
+        state = optimizer.state
         if state is not self.state or len(state) != len(self.state_entries):
             return "its state changed"
         for key, value, entries in self.state_entries:
@@ -293,20 +294,30 @@ class _OptimizerSnapshot:
                 return "its state changed"
             if any(current[name] is not held for name, held in entries.items()):
                 return "its state changed"
+        return "its param groups changed" if self.groups_changed(optimizer) else None
+
+    def groups_changed(
+        self, optimizer: torch.optim.Optimizer, ignoring: FrozenSet[str] = frozenset()
+    ) -> bool:
+        """Whether ``optimizer``'s param groups differ from the capture: other group objects,
+        keys, hyper-parameter objects or parameters (a new list of the same parameters is no
+        change); the keys in ``ignoring`` may appear, change or go."""
+        groups = optimizer.param_groups
         if len(groups) != len(self.param_groups):
-            return "its param groups changed"
+            return True
         for group, captured, entries, params in zip(
             groups, self.param_groups, self.param_group_entries, self.param_lists
         ):
-            if group is not captured or group.keys() != entries.keys():
-                return "its param groups changed"
-            if any(group[key] is not value for key, value in entries.items() if key != "params"):
-                return "its param groups changed"
+            if group is not captured or set(group) - ignoring != set(entries) - ignoring:
+                return True
+            skipped = ignoring | {"params"}
+            if any(group[key] is not value for key, value in entries.items() if key not in skipped):
+                return True
             if len(group["params"]) != len(params) or any(
                 a is not b for a, b in zip(group["params"], params)
             ):
-                return "its param groups changed"
-        return None
+                return True
+        return False
 
 
 def _copy_containers(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
@@ -422,28 +433,24 @@ def _run_own_method(
     registry: StateAdopterRegistry,
     optimizer: torch.optim.Optimizer,
     hook_point: str,
-    argument: Optional[Dict[str, Any]],
+    method: str,
+    run: Callable[[], Tuple[Any, Any]],
     existing: _Existing,
     declines: List[Tuple[str, str]],
     reason: str,
 ) -> Tuple[StateAdoptionOutcome, Any]:
-    """Run the optimizer's own method exactly as upstream; the outcome records it, or its error."""
+    """Run the own code exactly as upstream (``run`` returns its result and the state it left);
+    the outcome records it, named ``method``, or its error."""
     outcome = StateAdoptionOutcome(
         hook_point,
         _describe(optimizer),
         None,
-        method=_own_method_label(optimizer, hook_point),
+        method=method,
         declines=tuple(declines),
         fallback_reason=reason,
     )
-    state: Any
     try:
-        if hook_point == _LOAD:
-            result = optimizer.load_state_dict(argument)  # type: ignore[arg-type]
-            state = optimizer.state
-        else:
-            result = state_dict = optimizer.state_dict()
-            state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+        result, state = run()
     except BaseException as error:  # recorded, then re-raised unchanged
         _finish(registry, replace(outcome, error=f"{type(error).__name__}: {error}"))
         raise
@@ -452,6 +459,71 @@ def _run_own_method(
         _finish(registry, replace(outcome, reused_bytes=reused, allocated_bytes=allocated)),
         result,
     )
+
+
+def _adopter_outcome(
+    registry: StateAdopterRegistry,
+    hook_point: str,
+    optimizer: torch.optim.Optimizer,
+    registration: StateAdopterRegistration,
+    state: Any,
+    existing: _Existing,
+    declines: List[Tuple[str, str]],
+) -> StateAdoptionOutcome:
+    """The finished outcome of an adopter that handled the call, ``state`` measured."""
+    reused, allocated = _measure(state, existing)
+    outcome = StateAdoptionOutcome(
+        hook_point,
+        _describe(optimizer),
+        registration.name,
+        reused_bytes=reused,
+        allocated_bytes=allocated,
+        declines=tuple(declines),
+    )
+    return _finish(registry, outcome)
+
+
+_Check = Callable[[Any], Optional[str]]
+
+
+def _load_check(adopter: Any) -> Optional[_Check]:
+    """Every adopter's check for the load."""
+    check: _Check = adopter.decline_reason
+    return check
+
+
+def _export_check(adopter: Any) -> Optional[_Check]:
+    """An exporter's check for the state-dict read; None for an adopter that is no exporter."""
+    return adopter.export_decline_reason if isinstance(adopter, StateExporter) else None
+
+
+def _initialize_check(adopter: Any) -> Optional[_Check]:
+    """An initializer's check for the state creation; None for one that is no initializer."""
+    return adopter.initialize_decline_reason if isinstance(adopter, StateInitializer) else None
+
+
+def _accepting(
+    registry: StateAdopterRegistry,
+    context: Union[StateAdoptionContext, StateExportContext],
+    check_of: Callable[[Any], Optional[_Check]],
+    declines: List[Tuple[str, str]],
+) -> Iterator[StateAdopterRegistration]:
+    """The registrations whose check accepts ``context``, in order; every decline is appended.
+
+    ``check_of(adopter)`` is the adopter's check for this hook point, or None if it has no
+    such role (it is then skipped without a decline).
+    """
+    registrations = registry.registrations()
+    disabled = _disabled_adopter_names(registrations)
+    for registration in registrations:
+        check = check_of(registration.adopter)
+        if check is None:
+            continue
+        decline = _ask(registration, check, context, disabled)
+        if decline is not None:
+            declines.append((registration.name, decline))
+            continue
+        yield registration
 
 
 @dataclass
@@ -582,32 +654,22 @@ def _adopted(
         own loader gets: the caller's, or after a failed install a copy of its containers).
     """
     optimizer = owner.optimizer
-    registrations = registry.registrations()
-    disabled = _disabled_adopter_names(registrations)
     context = StateAdoptionContext.for_owner(owner, state_dict=state_dict)
-    for registration in registrations:
-        decline = _ask(registration, registration.adopter.decline_reason, context, disabled)
-        if decline is None:
-            try:
-                pristine = _copy_containers(state_dict)
-            except Exception as error:  # malformed input: the own loader reports it
-                decline = f"the state dict cannot be copied for a rollback: {error!r}"
-        if decline is not None:
-            declines.append((registration.name, decline))
+    for registration in _accepting(registry, context, _load_check, declines):
+        try:
+            pristine = _copy_containers(state_dict)
+        except Exception as error:  # malformed input: the own loader reports it
+            declines.append(
+                (registration.name, f"the state dict cannot be copied for a rollback: {error!r}")
+            )
             continue
         failure = _install(registration, context, pristine)
         if failure is not None:
             return None, failure, pristine
-        reused, allocated = _measure(optimizer.state, existing)
-        outcome = StateAdoptionOutcome(
-            _LOAD,
-            _describe(optimizer),
-            registration.name,
-            reused_bytes=reused,
-            allocated_bytes=allocated,
-            declines=tuple(declines),
+        outcome = _adopter_outcome(
+            registry, _LOAD, optimizer, registration, optimizer.state, existing, declines
         )
-        return _finish(registry, outcome), "", state_dict
+        return outcome, "", state_dict
     return None, "every adopter declined" if declines else "no adopter is registered", state_dict
 
 
@@ -619,32 +681,17 @@ def _exported_by_adopter(
     Returns:
         (the checked export, if an exporter supplied one; else why not).
     """
-    optimizer = owner.optimizer
-    registrations = registry.registrations()
-    disabled = _disabled_adopter_names(registrations)
     context = StateExportContext.for_owner(owner)
-    for registration in registrations:
-        exporter = registration.adopter
-        if not isinstance(exporter, StateExporter):
-            continue
-        decline = _ask(registration, exporter.export_decline_reason, context, disabled)
-        if decline is not None:
-            declines.append((registration.name, decline))
-            continue
+    for registration in _accepting(registry, context, _export_check, declines):
+        exporter = cast(StateExporter, registration.adopter)
         exported, failure = _export(registration, exporter, context)
         if exported is None:
             assert failure is not None
             return None, failure
-        reused, allocated = _measure(exported["state"], existing)
-        outcome = StateAdoptionOutcome(
-            _EXPORT,
-            _describe(optimizer),
-            registration.name,
-            reused_bytes=reused,
-            allocated_bytes=allocated,
-            declines=tuple(declines),
+        state = exported["state"]
+        _adopter_outcome(
+            registry, _EXPORT, owner.optimizer, registration, state, existing, declines
         )
-        _finish(registry, outcome)
         return exported, ""
     if declines:
         return None, "every state exporter declined"
@@ -679,7 +726,15 @@ def load_inner_optimizer_state_dict(
             outcome, reason, state_dict = _adopted(registry, owner, state_dict, existing, declines)
         if outcome is not None:
             return outcome
-    outcome, _ = _run_own_method(registry, optimizer, _LOAD, state_dict, existing, declines, reason)
+
+    def run() -> Tuple[Any, Any]:
+        optimizer.load_state_dict(state_dict)
+        return None, optimizer.state
+
+    method = _own_method_label(optimizer, _LOAD)
+    outcome, _ = _run_own_method(
+        registry, optimizer, _LOAD, method, run, existing, declines, reason
+    )
     return outcome
 
 
@@ -707,7 +762,13 @@ def export_inner_optimizer_state_dict(
             exported, reason = _exported_by_adopter(registry, owner, existing, declines)
         if exported is not None:
             return exported
-    _, own = _run_own_method(registry, optimizer, _EXPORT, None, existing, declines, reason)
+
+    def run() -> Tuple[Any, Any]:
+        state_dict = optimizer.state_dict()
+        return state_dict, state_dict.get("state") if isinstance(state_dict, Mapping) else None
+
+    method = _own_method_label(optimizer, _EXPORT)
+    _, own = _run_own_method(registry, optimizer, _EXPORT, method, run, existing, declines, reason)
     own_state_dict: Dict[str, Any] = own
     return own_state_dict
 
@@ -758,16 +819,7 @@ def _initialized_state_problem(
     and the own initialisation steps too); every parameter whose local shard is not empty has a
     state entry of at least one tensor; nothing else has state.
     """
-    groups = optimizer.param_groups
-    if len(groups) != len(snapshot.param_groups) or any(
-        group is not captured or set(group) - {"step"} != set(entries) - {"step"}
-        or any(group[key] is not value for key, value in entries.items() if key not in ("params", "step"))
-        or len(group["params"]) != len(params)
-        or any(a is not b for a, b in zip(group["params"], params))
-        for group, captured, entries, params in zip(
-            groups, snapshot.param_groups, snapshot.param_group_entries, snapshot.param_lists
-        )
-    ):  # fmt: skip
+    if snapshot.groups_changed(optimizer, ignoring=frozenset({"step"})):
         return "the param groups changed"
     params = [param for group in snapshot.param_lists for param in group]
     known = {id(param) for param in params}
@@ -814,30 +866,16 @@ def _initialized_by_adopter(
 ) -> Tuple[Optional[StateAdoptionOutcome], str]:
     """Offer the initialisation to the initializers in order; the first that accepts creates it."""
     optimizer = owner.optimizer
-    registrations = registry.registrations()
-    disabled = _disabled_adopter_names(registrations)
     context = StateExportContext.for_owner(owner)
-    for registration in registrations:
-        initializer = registration.adopter
-        if not isinstance(initializer, StateInitializer):
-            continue
-        decline = _ask(registration, initializer.initialize_decline_reason, context, disabled)
-        if decline is not None:
-            declines.append((registration.name, decline))
-            continue
+    for registration in _accepting(registry, context, _initialize_check, declines):
+        initializer = cast(StateInitializer, registration.adopter)
         failure = _initialize(registration, initializer, context)
         if failure is not None:
             return None, failure
-        reused, allocated = _measure(optimizer.state, existing)
-        outcome = StateAdoptionOutcome(
-            _INITIALIZE,
-            _describe(optimizer),
-            registration.name,
-            reused_bytes=reused,
-            allocated_bytes=allocated,
-            declines=tuple(declines),
+        outcome = _adopter_outcome(
+            registry, _INITIALIZE, optimizer, registration, optimizer.state, existing, declines
         )
-        return _finish(registry, outcome), ""
+        return outcome, ""
     if declines:
         return None, "every state initializer declined"
     return None, "no registered adopter is a state initializer"
@@ -872,18 +910,13 @@ def initialize_inner_optimizer_state(
             outcome, reason = _initialized_by_adopter(registry, owner, existing, declines)
         if outcome is not None:
             return outcome
-    own = StateAdoptionOutcome(
-        _INITIALIZE,
-        _describe(optimizer),
-        None,
-        method=getattr(own_initialization, "__qualname__", repr(own_initialization)),
-        declines=tuple(declines),
-        fallback_reason=reason,
-    )
-    try:
+
+    def run() -> Tuple[Any, Any]:
         own_initialization()
-    except BaseException as error:  # recorded, then re-raised unchanged
-        _finish(registry, replace(own, error=f"{type(error).__name__}: {error}"))
-        raise
-    reused, allocated = _measure(optimizer.state, existing)
-    return _finish(registry, replace(own, reused_bytes=reused, allocated_bytes=allocated))
+        return None, optimizer.state
+
+    method = getattr(own_initialization, "__qualname__", repr(own_initialization))
+    outcome, _ = _run_own_method(
+        registry, optimizer, _INITIALIZE, method, run, existing, declines, reason
+    )
+    return outcome
