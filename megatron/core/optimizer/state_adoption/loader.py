@@ -502,16 +502,28 @@ def _initialize_check(adopter: Any) -> Optional[_Check]:
     return adopter.initialize_decline_reason if isinstance(adopter, StateInitializer) else None
 
 
-def _accepting(
+def _no_preparation() -> Tuple[Any, Optional[str]]:
+    """What :func:`_first_accepting` prepares by default: nothing, with no objection."""
+    return None, None
+
+
+def _first_accepting(
     registry: StateAdopterRegistry,
     context: Union[StateAdoptionContext, StateExportContext],
     check_of: Callable[[Any], Optional[_Check]],
     declines: List[Tuple[str, str]],
-) -> Iterator[StateAdopterRegistration]:
-    """The registrations whose check accepts ``context``, in order; every decline is appended.
+    prepare: Callable[[], Tuple[Any, Optional[str]]] = _no_preparation,
+) -> Tuple[Optional[StateAdopterRegistration], Any]:
+    """The first registration whose check accepts ``context``, and what ``prepare`` made for it.
 
-    ``check_of(adopter)`` is the adopter's check for this hook point, or None if it has no
-    such role (it is then skipped without a decline).
+    ``check_of(adopter)`` is the adopter's check for this hook point, or None if it has no such
+    role (it is then skipped without a decline). ``prepare()`` runs after each acceptance and
+    returns (what it made, None) or (None, why the accepting adopter is declined after all).
+    Every decline is appended to ``declines``; the adopters after the first that accepts are
+    not asked.
+
+    Returns:
+        (the accepting registration and what ``prepare`` made, or (None, None)).
     """
     registrations = registry.registrations()
     disabled = _disabled_adopter_names(registrations)
@@ -520,10 +532,14 @@ def _accepting(
         if check is None:
             continue
         decline = _ask(registration, check, context, disabled)
+        prepared = None
+        if decline is None:
+            prepared, decline = prepare()
         if decline is not None:
             declines.append((registration.name, decline))
             continue
-        yield registration
+        return registration, prepared
+    return None, None
 
 
 @dataclass
@@ -655,22 +671,26 @@ def _adopted(
     """
     optimizer = owner.optimizer
     context = StateAdoptionContext.for_owner(owner, state_dict=state_dict)
-    for registration in _accepting(registry, context, _load_check, declines):
+
+    def copy_for_a_rollback() -> Tuple[Any, Optional[str]]:
         try:
-            pristine = _copy_containers(state_dict)
+            return _copy_containers(state_dict), None
         except Exception as error:  # malformed input: the own loader reports it
-            declines.append(
-                (registration.name, f"the state dict cannot be copied for a rollback: {error!r}")
-            )
-            continue
-        failure = _install(registration, context, pristine)
-        if failure is not None:
-            return None, failure, pristine
-        outcome = _adopter_outcome(
-            registry, _LOAD, optimizer, registration, optimizer.state, existing, declines
-        )
-        return outcome, "", state_dict
-    return None, "every adopter declined" if declines else "no adopter is registered", state_dict
+            return None, f"the state dict cannot be copied for a rollback: {error!r}"
+
+    registration, pristine = _first_accepting(
+        registry, context, _load_check, declines, copy_for_a_rollback
+    )
+    if registration is None:
+        why = "every adopter declined" if declines else "no adopter is registered"
+        return None, why, state_dict
+    failure = _install(registration, context, pristine)
+    if failure is not None:
+        return None, failure, pristine
+    outcome = _adopter_outcome(
+        registry, _LOAD, optimizer, registration, optimizer.state, existing, declines
+    )
+    return outcome, "", state_dict
 
 
 def _exported_by_adopter(
@@ -682,20 +702,19 @@ def _exported_by_adopter(
         (the checked export, if an exporter supplied one; else why not).
     """
     context = StateExportContext.for_owner(owner)
-    for registration in _accepting(registry, context, _export_check, declines):
-        exporter = cast(StateExporter, registration.adopter)
-        exported, failure = _export(registration, exporter, context)
-        if exported is None:
-            assert failure is not None
-            return None, failure
-        state = exported["state"]
-        _adopter_outcome(
-            registry, _EXPORT, owner.optimizer, registration, state, existing, declines
-        )
-        return exported, ""
-    if declines:
-        return None, "every state exporter declined"
-    return None, "no registered adopter is a state exporter"
+    registration, _ = _first_accepting(registry, context, _export_check, declines)
+    if registration is None:
+        if declines:
+            return None, "every state exporter declined"
+        return None, "no registered adopter is a state exporter"
+    exporter = cast(StateExporter, registration.adopter)
+    exported, failure = _export(registration, exporter, context)
+    if exported is None:
+        assert failure is not None
+        return None, failure
+    state = exported["state"]
+    _adopter_outcome(registry, _EXPORT, owner.optimizer, registration, state, existing, declines)
+    return exported, ""
 
 
 def load_inner_optimizer_state_dict(
@@ -867,18 +886,19 @@ def _initialized_by_adopter(
     """Offer the initialisation to the initializers in order; the first that accepts creates it."""
     optimizer = owner.optimizer
     context = StateExportContext.for_owner(owner)
-    for registration in _accepting(registry, context, _initialize_check, declines):
-        initializer = cast(StateInitializer, registration.adopter)
-        failure = _initialize(registration, initializer, context)
-        if failure is not None:
-            return None, failure
-        outcome = _adopter_outcome(
-            registry, _INITIALIZE, optimizer, registration, optimizer.state, existing, declines
-        )
-        return outcome, ""
-    if declines:
-        return None, "every state initializer declined"
-    return None, "no registered adopter is a state initializer"
+    registration, _ = _first_accepting(registry, context, _initialize_check, declines)
+    if registration is None:
+        if declines:
+            return None, "every state initializer declined"
+        return None, "no registered adopter is a state initializer"
+    initializer = cast(StateInitializer, registration.adopter)
+    failure = _initialize(registration, initializer, context)
+    if failure is not None:
+        return None, failure
+    outcome = _adopter_outcome(
+        registry, _INITIALIZE, optimizer, registration, optimizer.state, existing, declines
+    )
+    return outcome, ""
 
 
 def initialize_inner_optimizer_state(
