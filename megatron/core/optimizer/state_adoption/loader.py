@@ -532,13 +532,11 @@ def _first_accepting(
         if check is None:
             continue
         decline = _ask(registration, check, context, disabled)
-        prepared = None
         if decline is None:
             prepared, decline = prepare()
-        if decline is not None:
-            declines.append((registration.name, decline))
-            continue
-        return registration, prepared
+            if decline is None:
+                return registration, prepared
+        declines.append((registration.name, decline))
     return None, None
 
 
