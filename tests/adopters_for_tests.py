@@ -153,3 +153,36 @@ def pytorch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """PyTorch's state dict of ``optimizer``: its param groups and the held tensors themselves
     (what a correct exporter returns)."""
     return torch.optim.Optimizer.state_dict(optimizer)
+
+
+class HeldMomentReadTargets:
+    """A read-target provider for the BF16 stand-in: the held moments themselves (the read casts
+    FP32 into them as TE's ``set_scaled_state`` does), and the stand-in's own tensor for the
+    rest. ``target_of`` may replace what it returns for one state name, to break the contract.
+    """
+
+    def __init__(self, name: str = "held_moments") -> None:
+        self.name = name
+        self.checked = 0
+        self.target_of: Dict[str, Callable[[Any, torch.Tensor], Any]] = {}
+
+    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
+        return "only supplies read targets"
+
+    def adopt(self, context: StateAdoptionContext) -> None:
+        raise AssertionError("adopt() called although decline_reason() declined")
+
+    def read_target_decline_reason(self, context: StateExportContext) -> Optional[str]:
+        self.checked += 1
+        dtypes = getattr(context.optimizer, "name_to_dtype_map", {})
+        if dtypes.get("exp_avg") is not torch.bfloat16:
+            return "not BF16 moments"
+        return None
+
+    def read_target(self, context: StateExportContext, param: torch.Tensor, name: str) -> Any:
+        optimizer: Any = context.optimizer
+        if name in self.target_of:
+            return self.target_of[name](optimizer, param)
+        if name in ("exp_avg", "exp_avg_sq"):
+            return optimizer.state[param][name]
+        return optimizer.get_unscaled_state(param, name)

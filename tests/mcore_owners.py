@@ -6,10 +6,12 @@ installed one and only sets what its ``load_state_dict`` reads. ``load_state_dic
 installed, unmodified method: what these tests see is what MCore's own code does.
 """
 
+import types
 from typing import Any, Dict, List
 
 import torch
 
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -53,3 +55,47 @@ class CpuFP32Optimizer(FP32Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
         self.optimizer = optimizer
         self.config = config
+
+
+class CpuPrecisionAwareDistributedOptimizer(DistributedOptimizer):
+    """The installed DistributedOptimizer with what its precision-aware read and store of one
+    parameter's state read (``_get_main_param_and_optimizer_states`` and
+    ``_set_main_param_and_optimizer_states``): the inner optimizer, the index of each model
+    parameter in it (the inner parameters stand for the model parameters here), and a config
+    with the precision-aware flag (MCore's OptimizerConfig refuses it without TE on the CPU)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: Any, ddp_config: Any) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.ddp_config = ddp_config
+        self.is_stub_optimizer = False
+        self.model_param_group_index_map = {
+            param: (group_index, order)
+            for group_index, group in enumerate(optimizer.param_groups)
+            for order, param in enumerate(group["params"])
+        }
+
+
+def precision_aware_config(**changes: Any) -> Any:
+    """The flags the precision-aware read and the adoption switch read (MCore's OptimizerConfig
+    refuses the precision-aware flag without TE on the CPU)."""
+    fields: Dict[str, Any] = dict(
+        use_precision_aware_optimizer=True,
+        use_precision_aware_optimizer_no_fp8_or_ds_fp8=True,
+        optimizer_cpu_offload=False,
+        optimizer_state_adoption=True,
+    )
+    fields.update(changes)
+    return types.SimpleNamespace(**fields)
+
+
+def precision_aware_owner(optimizer: torch.optim.Optimizer, **config_changes: Any) -> CpuPrecisionAwareDistributedOptimizer:
+    """A precision-aware owner of ``optimizer`` whose state is created as the scaffold pass of a
+    resume leaves it (``initialize_state`` of every parameter)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            keeps_remainders = bool(getattr(optimizer, "store_param_remainders", False)) and param.dtype == torch.bfloat16
+            optimizer.initialize_state(param, keeps_remainders)  # type: ignore[attr-defined]
+    return CpuPrecisionAwareDistributedOptimizer(
+        optimizer, precision_aware_config(**config_changes), DistributedDataParallelConfig()
+    )

@@ -24,6 +24,7 @@ import pytest
 import torch
 from adopters_for_tests import (
     CopyingAdopter,
+    HeldMomentReadTargets,
     DecliningAdopter,
     Exporter,
     GarbageCheckAdopter,
@@ -43,6 +44,7 @@ from builders import (
     standin_adopter,
     trained_standin,
 )
+from mcore_owners import precision_aware_owner
 from real_optimizers import cloned, fresh_adam, params_of, trained_adam
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -50,6 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from megatron.core.optimizer.state_adoption import (
     StateAdopterRegistry,
     initialize_inner_optimizer_state,
+    reading_optimizer_state,
     StateAdoptionContext,
     StateAdoptionOutcome,
 )
@@ -131,6 +134,18 @@ INITIALIZE_FAILED = (
     "Optimizer state adopter '<name>' failed to initialize the state (<error>); the optimizer was "
     "restored and the own initialisation runs instead"
 )
+ADOPTER_READ = (
+    "Optimizer state adopter '<name>' supplied the read targets for the state of <optimizer>: "
+    "<reused> by reference, <allocated> newly allocated"
+)
+OWN_READ = (
+    "<method> supplied the read targets for the state of <optimizer> (<reason>): <reused> by "
+    "reference, <allocated> newly allocated"
+)
+READ_TARGET_FAILED = (
+    "Optimizer state adopter '<name>' failed to supply the read target of '<state>' of a "
+    "parameter of shape <shape> (<error>); it and the rest are get_unscaled_state's"
+)
 PLUGIN_SKIPPED = "Skipping optimizer state adopter plugin from <origin>: <error>"
 OUTCOME_HOOK_RAISED = "Optimizer state adoption outcome hook <hook> raised <error>"
 
@@ -157,6 +172,9 @@ MESSAGES = {
     (INFO, ADOPTER_INITIALIZED),
     (DEBUG, OWN_INITIALIZED),
     (WARNING, INITIALIZE_FAILED),
+    (INFO, ADOPTER_READ),
+    (DEBUG, OWN_READ),
+    (WARNING, READ_TARGET_FAILED),
 }
 
 # --- the reasons the messages carry (<reason>) ----------------------------------------------
@@ -195,7 +213,12 @@ GLOBAL_STEP_HOOKS = (
     "initialisation runs"
 )
 
+NO_READ_TARGET_PROVIDER = "no registered adopter is a read-target provider"
+EVERY_READ_TARGET_PROVIDER_DECLINED = "every read-target provider declined"
+
 REASONS = {
+    NO_READ_TARGET_PROVIDER,
+    EVERY_READ_TARGET_PROVIDER_DECLINED,
     NO_ADOPTER,
     EVERY_ADOPTER_DECLINED,
     FAILED_TO_INSTALL,
@@ -821,6 +844,69 @@ def initialize_with_global_step_hook(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         handle.remove()
 
 
+def _read(registry: StateAdopterRegistry, change: Callable[[Any], Any] = lambda owner: None) -> Any:
+    """Build a precision-aware owner's read targets as sharded_param_state_dp_reshardable does."""
+    optimizer = fresh_standin(
+        exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, master_weights=True
+    )
+    owner = precision_aware_owner(optimizer)
+    change(owner)
+    with reading_optimizer_state(owner, True, registry=registry):
+        for param in params_of(optimizer):
+            owner._get_main_param_and_optimizer_states(param)
+    return owner
+
+
+READ_BF16_BYTES = "928 B"  # BF16 exp_avg and exp_avg_sq of the stand-in's 232 elements
+MASTER_BYTES = "928 B"  # its FP32 master weights
+
+
+def own_read(optimizer: torch.optim.Optimizer, why: Value, reused: str = MASTER_BYTES, allocated: str = STANDIN_BYTES) -> Line:
+    values = {"method": "FusedAdamStandIn.get_unscaled_state", "optimizer": label(optimizer), "reason": why, "reused": reused, "allocated": allocated}
+    return DEBUG, OWN_READ, values
+
+
+def provider_supplies(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    owner = _read(registry_of(HeldMomentReadTargets()))
+    values = {"name": "held_moments", "optimizer": label(owner.optimizer), "reused": "1,856 B", "allocated": "0 B"}
+    return [(INFO, ADOPTER_READ, values)]
+
+
+def no_read_target_provider(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    owner = _read(registry_of(DecliningAdopter("not_a_provider")))
+    return [own_read(owner.optimizer, reason(NO_READ_TARGET_PROVIDER))]
+
+
+def every_read_target_provider_declines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    monkeypatch.setenv("MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS", "held_moments")
+    owner = _read(registry_of(HeldMomentReadTargets()))
+    return [declined("held_moments", reason(DISABLED_BY_NAME)), own_read(owner.optimizer, reason(EVERY_READ_TARGET_PROVIDER_DECLINED))]
+
+
+def read_with_instance_get_unscaled_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    def wrap(owner: Any) -> None:
+        owner.optimizer.__dict__["get_unscaled_state"] = owner.optimizer.get_unscaled_state
+
+    owner = _read(registry_of(HeldMomentReadTargets()), wrap)
+    why = reason(INSTANCE_METHOD, **{"class": "FusedAdamStandIn", "method name": "get_unscaled_state"})
+    return [own_read(owner.optimizer, why)]
+
+
+def read_target_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> List[Line]:
+    provider = HeldMomentReadTargets()
+
+    def no_such_state(optimizer: Any, param: torch.Tensor) -> Any:
+        raise KeyError("exp_avg_sq")
+
+    provider.target_of["exp_avg_sq"] = no_such_state
+    owner = _read(registry_of(provider))
+    shape = str(tuple(params_of(owner.optimizer)[0].shape))
+    failed = {"name": "held_moments", "state": "exp_avg_sq", "shape": shape, "error": "KeyError: 'exp_avg_sq'"}
+    first = params_of(owner.optimizer)[0].numel() * 2  # the first exp_avg, read in place
+    values = {"name": "held_moments", "optimizer": label(owner.optimizer), "reused": f"{928 + first:,} B", "allocated": f"{1856 - 2 * first:,} B"}
+    return [(WARNING, READ_TARGET_FAILED, failed), (INFO, ADOPTER_READ, values)]
+
+
 SCENARIOS: Dict[str, Scenario] = {
     "an adopter installs the state": adopter_installs,
     "an adopter installs copies": adopter_installs_copies,
@@ -864,6 +950,11 @@ SCENARIOS: Dict[str, Scenario] = {
     "a step hook is registered": initialize_with_step_hook,
     "step hooks cannot be inspected": initialize_with_uninspectable_step_hooks,
     "a global step hook is registered": initialize_with_global_step_hook,
+    "a provider supplies the read targets": provider_supplies,
+    "no read-target provider is registered": no_read_target_provider,
+    "every read-target provider declines": every_read_target_provider_declines,
+    "a get_unscaled_state set on the instance": read_with_instance_get_unscaled_state,
+    "a read target fails": read_target_fails,
 }
 
 

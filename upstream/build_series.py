@@ -92,6 +92,12 @@ SERIES_DATE = "2026-11-29T12:00:00+00:00"
 FSDP_INITIALIZATION = "self._init_optimizer_states_with_dummy_values()"
 """Megatron-FSDP's creation of the state a checkpoint is read into (a dummy step)."""
 FSDP_STATE_DICT_METHOD = "sharded_param_state_fsdp_dtensor"
+READ_TARGET_LINE = "tensors[k] = self.optimizer.get_unscaled_state(sharded_model_param, k)"
+"""The precision-aware read target of one state tensor (an FP32 copy upstream)."""
+READ_SCOPE_LINE = "state = self.get_parameter_state_dp_reshardable()"
+"""Where the dp_reshardable sharded state dict's tensors are made."""
+STORE_CALL = "self.optimizer.set_scaled_state("
+"""The precision-aware store of one read state tensor."""
 DIRECT_LOAD = re.compile(r"\s*self\.optimizer\.load_state_dict\(state_dict(\[optimizer_key\])?\)$")
 """A line handing the given state dict (or its optimizer part) straight to the inner optimizer."""
 OFFLOADER_GUARD = "if self._optimizer_state_offloader is None:"
@@ -125,7 +131,9 @@ class Hunk:
         """``import`` (pure insertion), ``export`` or ``load`` (which inner call it replaces),
         ``direct_load``: one line handing the given state dict straight to the inner
         optimizer (the Megatron-FSDP branch, the non-distributed optimizers), or
-        ``initialize``: Megatron-FSDP's creation of the state it loads into."""
+        ``initialize``: Megatron-FSDP's creation of the state it loads into; ``read_target``,
+        ``read_scope`` and ``store``: the precision-aware read targets, the scope they are made
+        in, and the store of what was read."""
         removed = "\n".join(self.removed)
         if not self.removed:
             return "import"
@@ -133,6 +141,13 @@ class Hunk:
             return "direct_load"
         if [line.strip() for line in self.removed] == [FSDP_INITIALIZATION]:
             return "initialize"
+        stripped = [line.strip() for line in self.removed]
+        if stripped == [READ_TARGET_LINE]:
+            return "read_target"
+        if stripped == [READ_SCOPE_LINE]:
+            return "read_scope"
+        if len(stripped) == 1 and stripped[0].startswith(STORE_CALL):
+            return "store"
         if "self.optimizer.load_state_dict(" in removed:
             return "load"
         if "self.optimizer.state_dict()" in removed:
@@ -206,7 +221,7 @@ def _our_hunks(path: str) -> List[Hunk]:
                     f"patches/{patch.name} changes {changed}, which the series does not carry; "
                     "teach upstream/build_series.py where it goes"
                 )
-        hunks.extend(parse_hunks(text, path))
+        hunks.extend(parse_hunks(text, path, split_blocks=True))
     if not hunks:
         raise SeriesError(f"patches/*.patch has no hunk for {path}")
     return hunks
@@ -234,7 +249,7 @@ def our_config_hunks() -> List[Hunk]:
 
 def _method_span(text: str, name: str) -> Tuple[int, int]:
     """Character span of ``DistributedOptimizer.<name>`` (from its ``def`` to the next method)."""
-    start = text.find(f"\n    def {name}(self")
+    start = text.find(f"\n    def {name}(")
     if start < 0:
         raise SeriesError(f"{CALL_SITE} has no method {name}")
     end = text.find("\n    def ", start + 1)
@@ -314,9 +329,30 @@ def _apply_line(text: str, hunk: Hunk, where: Tuple[int, int]) -> str:
     lines = text[start:end].split("\n")
     matches = [i for i, line in enumerate(lines) if line.strip() == old]
     if len(matches) != 1:
-        raise SeriesError(f"{hunk.kind} hunk {old!r}: expected exactly one match, found {len(matches)}")
+        raise SeriesError(
+            f"{hunk.kind} hunk {old!r}: expected exactly one match, found {len(matches)}"
+        )
     line = lines[matches[0]]
     lines[matches[0]] = line[: len(line) - len(line.lstrip())] + new
+    return text[:start] + "\n".join(lines) + text[end:]
+
+
+def _apply_lines(text: str, hunk: Hunk, where: Tuple[int, int]) -> str:
+    """Replace the one line inside ``where`` that is the hunk's removed line by its added lines,
+    each indented relative to that line as in our patch."""
+    old = hunk.removed[0]
+    start, end = where
+    lines = text[start:end].split("\n")
+    matches = [i for i, line in enumerate(lines) if line.strip() == old.strip()]
+    if len(matches) != 1:
+        raise SeriesError(
+            f"{hunk.kind} hunk {old.strip()!r}: expected exactly one match, found {len(matches)}"
+        )
+    found = lines[matches[0]]
+    shift = len(found) - len(found.lstrip()) - (len(old) - len(old.lstrip()))
+    if shift < 0:
+        raise SeriesError(f"{hunk.kind} hunk {old.strip()!r}: the snapshot indents it less")
+    lines[matches[0] : matches[0] + 1] = [" " * shift + line for line in hunk.added]
     return text[:start] + "\n".join(lines) + text[end:]
 
 
@@ -338,7 +374,7 @@ def change_non_distributed_optimizers(text: str, hunks: Sequence[Hunk]) -> str:
 def _new_callee(hunk: Hunk) -> str:
     """Name of the function our patch calls instead of the inner optimizer's method."""
     _, code = _split_comments(hunk.added)
-    match = re.match(r"\s*(?:\w+\s*=\s*)?(\w+)\(", code[0])
+    match = re.match(r"\s*(?:[\w\[\]]+\s*=\s*|with\s+)?(\w+)\(", code[0])
     if match is None:
         raise SeriesError(f"cannot find the new call in {code[0]!r}")
     return match.group(1)
@@ -396,6 +432,15 @@ def change_call_site(text: str, hunks: Sequence[Hunk]) -> str:
         "load": _apply_load_keeping_offloader if offloader else _apply_plain,
         "direct_load": lambda t, h: _apply_line(t, h, _method_span(t, "load_state_dict")),
         "initialize": lambda t, h: _apply_line(t, h, _method_span(t, FSDP_STATE_DICT_METHOD)),
+        "read_target": lambda t, h: _apply_line(
+            t, h, _method_span(t, "_get_main_param_and_optimizer_states")
+        ),
+        "store": lambda t, h: _apply_line(
+            t, h, _method_span(t, "_set_main_param_and_optimizer_states")
+        ),
+        "read_scope": lambda t, h: _apply_lines(
+            t, h, _method_span(t, "sharded_param_state_dp_reshardable")
+        ),
     }
     for hunk in hunks:
         text = appliers[hunk.kind](text, hunk)
@@ -414,7 +459,9 @@ def check_offloader_path_kept(text: str) -> None:
     guards = body.count(OFFLOADER_GUARD)
     # the Megatron-FSDP branch's direct load never went to the offloader: it needs no guard
     new_calls = len(
-        re.findall(r"\n\s+(?:\w+ = )?\w+_inner_optimizer_state_dict\((?!self, state_dict\)\n)", body)
+        re.findall(
+            r"\n\s+(?:\w+ = )?\w+_inner_optimizer_state_dict\((?!self, state_dict\)\n)", body
+        )
     )
     if new_calls != guards:
         raise SeriesError(f"{new_calls} subsystem calls but {guards} offloader guards")
@@ -870,6 +917,33 @@ MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,... override it for a run.
 
 CALL_SITE_SUBJECT = "Route inner-optimizer state loads through state adoption\n\n"
 CALL_SITE_BODY = {
+    ("direct_load", "export", "initialize", "load", "read_scope", "read_target", "store"): """\
+Every place where Megatron Core hands loaded optimizer state to the
+inner optimizer now goes through the state-adoption registry:
+
+- DistributedOptimizer.load_state_dict reads the inner optimizer's
+  state with export_inner_optimizer_state_dict(self) and installs the
+  assembled state with load_inner_optimizer_state_dict(self, ...);
+- its Megatron-FSDP branch (fsdp_dtensor checkpoints) installs the
+  loaded DTensor state with load_inner_optimizer_state_dict(self, ...),
+  and sharded_param_state_fsdp_dtensor creates the state the checkpoint
+  is read into with initialize_inner_optimizer_state(self, ...), which
+  runs the dummy step unless an initializer creates the state without
+  its zero gradients;
+- with the precision-aware optimizer, sharded_param_state_dp_reshardable
+  builds the tensors a checkpoint is read into inside
+  reading_optimizer_state(self, is_loading): each comes from
+  unscaled_state_or_read_target(self, ...), which is get_unscaled_state
+  unless a read-target provider supplies the held tensor itself, and
+  _set_main_param_and_optimizer_states stores what was read with
+  store_read_optimizer_state(self, ...), which leaves a tensor read in
+  place as it is and otherwise calls set_scaled_state;
+- Float16OptimizerWithFloat16Params and FP32Optimizer (without the
+  distributed optimizer) do the same in their load_state_dict.
+
+With no adopter accepting, each call does exactly what the direct call
+did. Each call site is one small hunk; the logic stays in the subsystem.
+""",
     ("direct_load", "export", "initialize", "load"): """\
 Every place where Megatron Core hands loaded optimizer state to the
 inner optimizer now goes through the state-adoption registry:

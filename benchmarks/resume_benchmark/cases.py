@@ -28,12 +28,26 @@ PRECISION_AWARE_CASE: Final = "precision_aware_bf16"
 #: The precision-aware optimizer with MoE: a ChainedOptimizer of two precision-aware FusedAdams.
 MOE_PRECISION_AWARE_CASE: Final = "moe_precision_aware_bf16"
 
+#: The precision-aware optimizer with the other sharding formats (the load reads through
+#: other paths than ``dp_reshardable``'s), and with FP16 moments (TE scales them per tensor).
+PRECISION_AWARE_FORMAT_CASES: Final[Mapping[str, str]] = {
+    "precision_aware_bf16_fully_reshardable": "fully_reshardable",
+    "precision_aware_bf16_dp_zero_gather_scatter": "dp_zero_gather_scatter",
+}
+PRECISION_AWARE_FP16_CASE: Final = "precision_aware_fp16"
+
 #: Every case, in the order they run by default.
 CASE_NAMES: Final[tuple[str, ...]] = (
     *SHARDING_FORMATS,
     MOE_CASE,
     PRECISION_AWARE_CASE,
     MOE_PRECISION_AWARE_CASE,
+)
+
+#: Cases that run only when named in ``--cases``.
+OPT_IN_CASE_NAMES: Final[tuple[str, ...]] = (
+    *PRECISION_AWARE_FORMAT_CASES,
+    PRECISION_AWARE_FP16_CASE,
 )
 
 #: Instance-level loaders a resume can run with (:mod:`.instance_loader`): ``bridge-like`` sets,
@@ -157,6 +171,7 @@ class BenchmarkCase:
     seed: int = 1234
     moe_fold_experts: bool = False
     instance_loader: str | None = None
+    moment_dtype: str = "bfloat16"
 
     @property
     def expected_saving_bytes_per_param(self) -> int:
@@ -216,9 +231,12 @@ def make_case(
         MOE_CASE: "dp_reshardable",
         PRECISION_AWARE_CASE: "dp_reshardable",
         MOE_PRECISION_AWARE_CASE: "dp_reshardable",
+        PRECISION_AWARE_FP16_CASE: "dp_reshardable",
+        **PRECISION_AWARE_FORMAT_CASES,
     }
     if name not in SHARDING_FORMATS and name not in formats:
-        raise ValueError(f"unknown case {name!r}; expected one of {', '.join(CASE_NAMES)}")
+        known = ", ".join((*CASE_NAMES, *OPT_IN_CASE_NAMES))
+        raise ValueError(f"unknown case {name!r}; expected one of {known}")
     case = BenchmarkCase(
         name,
         formats.get(name, name),
@@ -229,6 +247,8 @@ def make_case(
     )
     if name in (MOE_CASE, MOE_PRECISION_AWARE_CASE):
         case = dataclasses.replace(case, moe=True, moe_fold_experts=moe_fold_experts)
-    if name in (PRECISION_AWARE_CASE, MOE_PRECISION_AWARE_CASE):
+    if name in (PRECISION_AWARE_CASE, MOE_PRECISION_AWARE_CASE, *PRECISION_AWARE_FORMAT_CASES):
         case = dataclasses.replace(case, precision_aware=True)
+    if name == PRECISION_AWARE_FP16_CASE:
+        case = dataclasses.replace(case, precision_aware=True, moment_dtype="float16")
     return case

@@ -94,8 +94,8 @@ def optimizer_config(case: BenchmarkCase) -> OptimizerConfig:
     if case.precision_aware:
         precision_kwargs = {
             "use_precision_aware_optimizer": True,
-            "exp_avg_dtype": torch.bfloat16,
-            "exp_avg_sq_dtype": torch.bfloat16,
+            "exp_avg_dtype": getattr(torch, case.moment_dtype),
+            "exp_avg_sq_dtype": getattr(torch, case.moment_dtype),
             "main_params_dtype": torch.float32,
             "main_grads_dtype": torch.float32,
             "store_param_remainders": True,

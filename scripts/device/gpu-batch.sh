@@ -17,6 +17,10 @@
 #   bash scripts/device/gpu-batch.sh 4   # one GPU: the call sites of issue #19 (Megatron-FSDP,
 #                                        # non-distributed BF16 and FP32, CPU offload), upstream
 #                                        # against the build (PRESET=small; GPU_TESTS=1 adds them)
+#   bash scripts/device/gpu-batch.sh 5   # one GPU: issue #20, precision-aware with the plugin's
+#                                        # read targets: BF16 dp_reshardable and MoE at the
+#                                        # default size, BF16 fully_reshardable/dp_zero and FP16
+#                                        # moments (PRESET=small), the GPU tests
 # Needs .gpu/ from scripts/device/make-bundle.sh. LANE_SECONDS bounds every lane (default 530).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -117,6 +121,14 @@ case $batch in
     echo "call-sites-$1 exit $?" >> "$res/exits.txt"; cp -r "/tmp/work-4-$1" "$res/raw-$1" 2>/dev/null
   }
   for p in ${PATHS:-megatron_fsdp float16_wrapper fp32_wrapper cpu_offload}; do lane sites $p; done
+  [[ -n "${GPU_TESTS:-}" ]] && lane eval 'PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1'
+  ;;
+5)  # one GPU shared by the lanes (memory peaks are per process)
+  pa() { bench "$1" /tmp/mc-upstream /tmp/mc-plugin --gpus 0 "${@:2}"; }
+  lane pa pa-bf16-default --cases precision_aware_bf16
+  lane pa moe-pa-default --cases moe_precision_aware_bf16
+  lane pa pa-formats --preset "${PRESET:-small}" --cases precision_aware_bf16_fully_reshardable,precision_aware_bf16_dp_zero_gather_scatter
+  lane pa pa-fp16 --preset "${PRESET:-small}" --cases precision_aware_fp16
   [[ -n "${GPU_TESTS:-}" ]] && lane eval 'PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1'
   ;;
 *) echo "unknown batch $batch" >&2; exit 2 ;;

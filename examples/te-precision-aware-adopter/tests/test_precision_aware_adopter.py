@@ -46,6 +46,7 @@ from megatron.core.optimizer.state_adoption import (  # noqa: E402
     StateExportContext,
     export_inner_optimizer_state_dict,
     load_inner_optimizer_state_dict,
+    reading_optimizer_state,
     registered_state_adopters,
 )
 from megatron.core.optimizer.state_adoption.testing import (  # noqa: E402
@@ -582,3 +583,86 @@ def test_the_same_copy_imports_against_the_state_adoption_build(plugin_copy: Pat
     result = _import_plugin_in_subprocess(plugin_copy)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(plugin_copy / PACKAGE / "__init__.py")
+
+
+# --- read targets: the held BF16 moments are what the checkpoint is read into -----------------
+
+
+def _read_owner(mode: str, **config_changes: Any) -> Any:
+    """A precision-aware DistributedOptimizer (the installed class, tests/mcore_owners.py) whose
+    FusedAdam holds the state the scaffold pass leaves."""
+    from mcore_owners import precision_aware_owner
+
+    kwargs = dict(MODES[mode])
+    return precision_aware_owner(_optimizer(kwargs.pop("param_dtype"), **kwargs), **config_changes)
+
+
+def _read_resume(owner: Any, registry: StateAdopterRegistry, seed: int = 4) -> List[Dict[str, torch.Tensor]]:
+    """MCore's precision-aware dp_reshardable resume of one owner: build the targets (the
+    installed _get_main_param_and_optimizer_states inside reading_optimizer_state), read FP32
+    checkpoint values into them as torch_dist does (copy_ with its cast), store them (the
+    installed _set_main_param_and_optimizer_states)."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [p for g in owner.optimizer.param_groups for p in g["params"]]
+    with reading_optimizer_state(owner, True, registry=registry):
+        targets = [owner._get_main_param_and_optimizer_states(p) for p in params]
+    for tensors in targets:
+        for key, target in tensors.items():
+            if target.dtype == torch.int16:
+                target.copy_(torch.randint(-(2**15), 2**15 - 1, target.shape, generator=generator, dtype=torch.int16))
+            else:
+                target.copy_(torch.randn(target.shape, generator=generator) / 7)
+    for param, tensors in zip(params, targets):
+        owner._set_main_param_and_optimizer_states(param, tensors)
+    return targets
+
+
+# MCore's precision-aware optimizer always keeps TE master weights (FP32 or remainders).
+@pytest.mark.parametrize("mode", sorted(m for m in MODES if MODES[m].get("master_weights")))
+def test_read_targets_are_the_held_moments_and_the_state_is_te_s(mode: str) -> None:
+    outcomes: List[StateAdoptionOutcome] = []
+    owner = _read_owner(mode)
+    held = {id(t) for entry in owner.optimizer.state.values() for t in entry.values()}
+    allocations = owner.optimizer.allocations
+    targets = _read_resume(owner, _registry(outcomes))
+    assert all(id(t) in held for tensors in targets for t in tensors.values())
+    assert owner.optimizer.allocations == allocations
+    (outcome,) = [o for o in outcomes if o.hook_point == "read"]
+    assert (outcome.adopter, outcome.allocated_bytes) == (ADOPTER_NAME, 0)
+    reference = _read_owner(mode)
+    _read_resume(reference, StateAdopterRegistry(entry_point_group=None))  # upstream's FP32 copies
+    assert _bits(owner.optimizer) == _bits(reference.optimizer)
+
+
+def _stepped(owner: Any) -> None:
+    for group in owner.optimizer.param_groups:
+        group["step"] = 3
+
+
+def _fp32_owner(owner: Any) -> None:
+    owner.optimizer.name_to_dtype_map["exp_avg"] = torch.float32
+
+
+READ_DECLINES = {
+    "after a step": (_stepped, "param group 0 has step 3: the held state may be trained state"),
+    "not precision-aware": (lambda owner: setattr(owner, "config", FP32_MODE), "precision"),
+    "FP32 moments": (_fp32_owner, "only BF16 moments are adopted"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(READ_DECLINES))
+def test_read_targets_decline(case: str) -> None:
+    change, reason = READ_DECLINES[case]
+    owner = _read_owner("BF16 params, master remainders")
+    change(owner)
+    context = StateExportContext.for_owner(owner)
+    declined = _adopter().read_target_decline_reason(context)
+    assert declined is not None and reason in declined, declined
+
+
+def test_the_read_target_check_is_side_effect_free() -> None:
+    owner = _read_owner("BF16 params, master remainders")
+    before = _bits(owner.optimizer)
+    context = StateExportContext.for_owner(owner)
+    assert _adopter().read_target_decline_reason(context) is None
+    assert _bits(owner.optimizer) == before

@@ -15,6 +15,12 @@ and TE's ``FusedAdam.load_state_dict`` rebuilds the whole state both times:
   an FP32 copy of every BF16 moment (8 bytes per parameter, alive at the load peak). As a
   state exporter this adopter supplies PyTorch's state dict instead: the held tensors as they
   are (see ``export``).
+* **Read targets.** MCore then builds the sharded state dict the checkpoint is read into, and
+  upstream reads every BF16 moment into an FP32 copy (``get_unscaled_state``: 8 bytes per
+  parameter, alive through the whole read). As a read-target provider this adopter supplies
+  the held BF16 moments themselves: ``torch_dist`` casts the checkpoint's FP32 values into them
+  in place, which is bit for bit TE's ``set_scaled_state`` conversion (``copy_(fp32.bfloat16())``),
+  so nothing is left to store afterwards. Master weights are already read in place upstream.
 * **Payload pass.** MCore offers the exported state: the held tensors themselves (or, if the
   export was not used, FP32 copies of the BF16 moments). TE's loader would cast all of it to a
   whole new state (one more state shard at the load peak). This adopter keeps the held
@@ -126,6 +132,51 @@ class TEFusedAdamPrecisionAwareStateAdopter:
         """
         return state_dict_of_held_tensors(context.optimizer)
 
+    def read_target_decline_reason(self, context: StateExportContext) -> Optional[str]:
+        """Return None if the held BF16 moments can be the read targets, else the first failing
+        rule.
+
+        Args:
+            context (StateExportContext): the optimizer and its owner's configs.
+
+        Returns:
+            Optional[str]: None to accept, otherwise why upstream's FP32 copies should be read
+            into.
+        """
+        optimizer = context.optimizer
+        return first_decline_reason(
+            (
+                lambda: self._mode_decline_reason(context),
+                lambda: _stepped_decline_reason(optimizer),
+                lambda: held_state_export_decline_reason(
+                    optimizer,
+                    self._param_decline_reason,
+                    lambda param: _expected_state(optimizer, param),
+                ),
+            )
+        )
+
+    def read_target(
+        self, context: StateExportContext, param: torch.Tensor, name: str
+    ) -> torch.Tensor:
+        """Return the held BF16 moment itself, or TE's own tensor for the master weights.
+
+        Args:
+            context (StateExportContext): a context this adopter accepted.
+            param (torch.Tensor): the FusedAdam's parameter.
+            name (str): the state's name.
+
+        Returns:
+            torch.Tensor: the tensor the checkpoint's values are read into.
+        """
+        optimizer: Any = context.optimizer
+        if name in MOMENT_KEYS:
+            moment: torch.Tensor = optimizer.state[param][name]
+            return moment
+        # FP32 master weights and int16 remainders: TE returns the held tensor itself.
+        own: torch.Tensor = optimizer.get_unscaled_state(param, name)
+        return own
+
     def adopt(self, context: StateAdoptionContext) -> None:
         """Install the scaffold by reference, or store the payload into the held state.
 
@@ -205,6 +256,18 @@ def _expected_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Ex
         keeps_remainders = remainders and param.dtype == torch.bfloat16
         expected["master_param"] = torch.int16 if keeps_remainders else torch.float32
     return expected
+
+
+def _stepped_decline_reason(optimizer: Any) -> Optional[str]:
+    """Decline an optimizer that has stepped: its state may be a user's trained state, which a
+    read that fails midway would leave half overwritten (upstream's copies leave it intact)."""
+    for index, group in enumerate(optimizer.param_groups):
+        if group.get("step"):
+            return (
+                f"param group {index} has step {group['step']}: the held state may be trained "
+                "state, which a failed read would leave half overwritten"
+            )
+    return None
 
 
 def _settings_decline_reason(optimizer: Any) -> Optional[str]:

@@ -9,7 +9,11 @@ dict through :func:`export_inner_optimizer_state_dict`, and Megatron-FSDP create
 reads into through :func:`initialize_inner_optimizer_state`. The first registered
 :class:`StateAdopter` that accepts installs the state (and, if it is also a
 :class:`StateExporter` or a :class:`StateInitializer`, may supply the state dict or create the
-state); otherwise the optimizer's own code runs unchanged. Each call's
+state); otherwise the optimizer's own code runs unchanged. A precision-aware
+``DistributedOptimizer`` builds its ``dp_reshardable`` sharded state dict for loading inside
+:func:`reading_optimizer_state`, takes each tensor to read into from
+:func:`unscaled_state_or_read_target` (a :class:`StateReadTargetProvider` may supply the held
+tensors themselves) and stores the read values with :func:`store_read_optimizer_state`. Each call's
 :class:`StateAdoptionOutcome` goes to the hooks registered with
 :func:`register_outcome_hook`.
 
@@ -28,11 +32,15 @@ from .adopter import (
     StateExportContext,
     StateExporter,
     StateInitializer,
+    StateReadTargetProvider,
 )
 from .loader import (
     export_inner_optimizer_state_dict,
     initialize_inner_optimizer_state,
     load_inner_optimizer_state_dict,
+    reading_optimizer_state,
+    store_read_optimizer_state,
+    unscaled_state_or_read_target,
 )
 from .outcome import StateAdoptionOutcome
 from .registry import (
@@ -52,10 +60,14 @@ __all__ = [
     "StateExportContext",
     "StateExporter",
     "StateInitializer",
+    "StateReadTargetProvider",
     "export_inner_optimizer_state_dict",
     "initialize_inner_optimizer_state",
     "load_inner_optimizer_state_dict",
+    "reading_optimizer_state",
     "register_outcome_hook",
     "register_state_adopter",
     "registered_state_adopters",
+    "store_read_optimizer_state",
+    "unscaled_state_or_read_target",
 ]

@@ -15,6 +15,10 @@ would return converted copies.
 A *state initializer* (an adopter that also implements :class:`StateInitializer`) creates the
 state a Megatron-FSDP checkpoint is read into, instead of Megatron-FSDP's dummy step on zero
 gradients.
+
+A *read-target provider* (an adopter that also implements :class:`StateReadTargetProvider`)
+supplies the tensors a precision-aware ``DistributedOptimizer`` reads a ``dp_reshardable``
+checkpoint into, instead of the unscaled FP32 copies of its state (``get_unscaled_state``).
 """
 
 from dataclasses import dataclass
@@ -44,6 +48,7 @@ __all__ = [
     "StateExportContext",
     "StateExporter",
     "StateInitializer",
+    "StateReadTargetProvider",
 ]
 
 _Context = TypeVar("_Context", bound="StateExportContext")
@@ -237,5 +242,63 @@ class StateInitializer(Protocol):
 
         Args:
             context (StateExportContext): a context this initializer accepted.
+        """
+        ...
+
+
+@runtime_checkable
+class StateReadTargetProvider(Protocol):
+    """Supplies the tensors a checkpoint's optimizer state is read into, in place of the
+    unscaled FP32 copies the precision-aware ``DistributedOptimizer`` reads into.
+
+    A registered adopter that also implements these methods is consulted where a
+    precision-aware ``DistributedOptimizer`` builds its ``dp_reshardable`` sharded state dict for
+    loading. Upstream calls the inner optimizer's ``get_unscaled_state(param, name)`` for every
+    state tensor there: an FP32 copy of each BF16 (or scaled FP16/FP8) tensor, which the checkpoint
+    is read into and which lives through the whole read; after the read, ``set_scaled_state``
+    converts each into the held tensor.
+
+    Contract:
+        * ``read_target_decline_reason`` is side-effect free, like ``decline_reason``; it is
+          asked once per sharded state dict, after the held state was created.
+        * ``read_target(context, param, name)`` returns, for one state tensor, either the held
+          tensor itself (its local shard), when reading the checkpoint's values straight into
+          it gives the bits ``set_scaled_state`` would store (a plain cast: BF16, FP32 or int16
+          remainders; never a scaled FP16 or FP8 state), or a new FP32 tensor of the held
+          shape on the held device, which ``set_scaled_state`` converts after the read. A held
+          tensor as target is overwritten by the read, also by a read that fails midway, so
+          offer it only for state that holds nothing a user has yet (e.g. not after a step).
+          A target that breaks these rules, or a raise, makes this and every later tensor of
+          the sharded state dict fall back to ``get_unscaled_state``.
+        * Neither is offered an owner with adoption switched off, nor an optimizer with
+          ``get_unscaled_state`` or ``set_scaled_state`` set on the instance.
+        * Both may be called from any rank and must not communicate.
+    """
+
+    name: str
+
+    def read_target_decline_reason(self, context: StateExportContext) -> Optional[str]:
+        """Decide whether this provider can supply the read targets of ``context.optimizer``.
+
+        Args:
+            context (StateExportContext): the optimizer and its owner's configs.
+
+        Returns:
+            Optional[str]: None to accept, otherwise why the provider declines.
+        """
+        ...
+
+    def read_target(
+        self, context: StateExportContext, param: torch.Tensor, name: str
+    ) -> torch.Tensor:
+        """Return the tensor the checkpoint's values of state ``name`` of ``param`` are read into.
+
+        Args:
+            context (StateExportContext): a context this provider accepted.
+            param (torch.Tensor): the inner optimizer's parameter.
+            name (str): the state's name, e.g. ``"exp_avg"`` or ``"master_param"``.
+
+        Returns:
+            torch.Tensor: the held tensor itself or a new FP32 tensor (see the contract).
         """
         ...

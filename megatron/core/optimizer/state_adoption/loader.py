@@ -22,6 +22,14 @@ it. The optimizer's own code runs, exactly as it would without this module, when
 
 Every call ends in a :class:`~.outcome.StateAdoptionOutcome` with the bytes installed by
 reference and newly allocated, measured from storage identity, also when the own code raises.
+
+The read hook point: while a precision-aware ``DistributedOptimizer`` builds its
+``dp_reshardable`` sharded state dict for loading (:func:`reading_optimizer_state`), each state
+tensor it reads into comes from :func:`unscaled_state_or_read_target` -- the first accepting
+:class:`~.adopter.StateReadTargetProvider`'s target (e.g. the held BF16 tensor itself), or
+upstream's FP32 copy from ``get_unscaled_state``. After the read, the loaded values go to the
+held state through :func:`store_read_optimizer_state`, which leaves a tensor read in place as
+it is.
 """
 
 import logging
@@ -50,7 +58,13 @@ from torch.optim import optimizer as torch_optimizer_module
 
 from megatron.core.utils import log_single_rank
 
-from .adopter import StateAdoptionContext, StateExportContext, StateExporter, StateInitializer
+from .adopter import (
+    StateAdoptionContext,
+    StateExportContext,
+    StateExporter,
+    StateInitializer,
+    StateReadTargetProvider,
+)
 from .outcome import StateAdoptionOutcome
 from .registry import StateAdopterRegistration, StateAdopterRegistry, default_registry
 from .validation import exported_state_dict_decline_reason, installed_state_decline_reason
@@ -59,6 +73,9 @@ __all__ = [
     "export_inner_optimizer_state_dict",
     "initialize_inner_optimizer_state",
     "load_inner_optimizer_state_dict",
+    "reading_optimizer_state",
+    "store_read_optimizer_state",
+    "unscaled_state_or_read_target",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,9 +85,14 @@ _DISABLE_ENV_VAR = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
 _DISABLED_ADOPTERS_ENV_VAR = "MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS"
 _SWITCH_ON_VALUES = frozenset(("1", "true", "yes", "on"))
 _SWITCH_OFF_VALUES = frozenset(("", "0", "false", "no", "off"))
-_LOAD, _EXPORT, _INITIALIZE = "load", "export", "initialize"
+_LOAD, _EXPORT, _INITIALIZE, _READ = "load", "export", "initialize", "read"
 _METHODS = {_LOAD: "load_state_dict", _EXPORT: "state_dict"}
-_VERBS = {_LOAD: "installed", _EXPORT: "exported", _INITIALIZE: "initialized"}
+_VERBS = {
+    _LOAD: "installed",
+    _EXPORT: "exported",
+    _INITIALIZE: "initialized",
+    _READ: "supplied the read targets for",
+}
 
 _warned: Set[str] = set()
 
@@ -395,7 +417,7 @@ def _finish(registry: StateAdopterRegistry, outcome: StateAdoptionOutcome) -> St
             outcome.optimizer,
             sizes,
         )
-        if outcome.allocated_bytes > 0 and outcome.hook_point != _INITIALIZE:  # it allocates
+        if outcome.allocated_bytes > 0 and outcome.hook_point in (_LOAD, _EXPORT):
             log_single_rank(
                 logger,
                 logging.WARNING,
@@ -938,3 +960,239 @@ def initialize_inner_optimizer_state(
         registry, optimizer, _INITIALIZE, method, run, existing, declines, reason
     )
     return outcome
+
+
+# --- the read hook point (precision-aware dp_reshardable loads) -------------------------------
+
+_SCALED_STATE_METHODS = ("get_unscaled_state", "set_scaled_state")
+_PLAIN_CAST_DTYPES = frozenset((torch.bfloat16, torch.float32, torch.int16))
+
+
+def _own_read_reason(owner: Any, optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why upstream's read targets must be used without consulting providers, or None."""
+    reason = _switched_off_reason(getattr(owner, "config", None))
+    if reason is not None:
+        return reason
+    for method in _SCALED_STATE_METHODS:
+        if method in getattr(optimizer, "__dict__", {}):
+            return (
+                f"the {type(optimizer).__name__} instance has its own {method} (set on the "
+                "instance, e.g. by a wrapper), which upstream calls"
+            )
+    return None
+
+
+def _read_target_check(adopter: Any) -> Optional[_Check]:
+    """A provider's check for the read targets; None for an adopter that is no provider."""
+    if isinstance(adopter, StateReadTargetProvider):
+        return adopter.read_target_decline_reason
+    return None
+
+
+def _held_local(optimizer: Any, param: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+    """The local shard of the state ``name`` that ``optimizer`` holds for ``param``, or None."""
+    entry = optimizer.state.get(param)
+    held = entry.get(name) if isinstance(entry, Mapping) else None
+    return _local(held) if isinstance(held, torch.Tensor) else None
+
+
+def _is_same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (e.g. a view of all)."""
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
+def _read_target_problem(
+    optimizer: Any, param: torch.Tensor, name: str, target: Any
+) -> Optional[str]:
+    """Why a provider's read target breaks the contract, or None."""
+    if type(target) is not torch.Tensor:
+        return f"it returned a {type(target).__name__}, not a plain tensor"
+    held = _held_local(optimizer, param, name)
+    if held is None:
+        return f"the optimizer holds no {name!r} for this parameter"
+    if _is_same_tensor(target, held):
+        if held.dtype not in _PLAIN_CAST_DTYPES:
+            return f"the held {name!r} is {held.dtype}, which TE scales: it needs an FP32 target"
+        return None
+    if target.dtype != torch.float32 or target.shape != held.shape:
+        return f"the target is {target.dtype} {tuple(target.shape)}: neither the held tensor nor FP32 of its shape"
+    if target.device != held.device:
+        return f"the target is on {target.device}, the held {name!r} on {held.device}"
+    if _storage(target) is not None and _storage(target) == _storage(held):
+        return "the target overlaps the held tensor without being it"
+    return None
+
+
+class _Read:
+    """The read targets of one sharded state dict being built for loading."""
+
+    def __init__(
+        self,
+        owner: Any,
+        registration: Optional[StateAdopterRegistration],
+        existing: _Existing,
+        reason: str,
+    ) -> None:
+        self.owner = owner
+        self.registration = registration
+        self.context = StateExportContext.for_owner(owner)
+        self.existing = existing
+        self.reason = reason
+        self.failure: Optional[str] = None
+        self.targets: List[torch.Tensor] = []
+
+    def target(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """The accepting provider's target, or upstream's ``get_unscaled_state`` copy."""
+        optimizer = self.owner.optimizer
+        target: torch.Tensor
+        if self.registration is not None and self.failure is None:
+            provider = cast(StateReadTargetProvider, self.registration.adopter)
+            try:
+                target = provider.read_target(self.context, param, name)
+                problem = _read_target_problem(optimizer, param, name, target)
+                if problem is not None:
+                    raise ValueError(problem)
+            except Exception as error:
+                # As in _install: nothing is read yet, and upstream's targets are always right.
+                self.failure = (
+                    f"adopter {self.registration.name!r} failed to supply the read target of "
+                    f"{name!r} of a parameter of shape {tuple(param.shape)} "
+                    f"({type(error).__name__}: {error}); it and the rest are get_unscaled_state's"
+                )
+                logger.warning("Optimizer state %s", self.failure)
+            else:
+                self.targets.append(target)
+                return target
+        target = optimizer.get_unscaled_state(param, name)
+        self.targets.append(target)
+        return target
+
+    def outcome(self, error: Optional[BaseException]) -> StateAdoptionOutcome:
+        """The outcome of the whole read: the targets measured, held tensors as reused."""
+        reused, allocated = _measure(
+            {index: {"target": target} for index, target in enumerate(self.targets)}, self.existing
+        )
+        adopter = self.registration.name if self.registration is not None else None
+        return StateAdoptionOutcome(
+            _READ,
+            _describe(self.owner.optimizer),
+            adopter,
+            method=(
+                "building the sharded state dict"
+                if error is not None
+                else (
+                    None if adopter else f"{type(self.owner.optimizer).__name__}.get_unscaled_state"
+                )
+            ),
+            reused_bytes=0 if error else reused,
+            allocated_bytes=0 if error else allocated,
+            fallback_reason=self.failure if adopter else self.reason,
+            error=f"{type(error).__name__}: {error}" if error is not None else None,
+        )
+
+
+_reads: Dict[int, _Read] = {}
+
+
+@contextmanager
+def reading_optimizer_state(
+    owner: Any, is_loading: bool, registry: Optional[StateAdopterRegistry] = None
+) -> Iterator[None]:
+    """Within the block, ``owner``'s read targets come from the first accepting provider.
+
+    Around the construction of a precision-aware ``DistributedOptimizer``'s sharded state dict
+    for loading, the providers are consulted once; :func:`unscaled_state_or_read_target` then
+    hands out the accepting provider's targets. Outside the block, or when ``is_loading`` is
+    False (a save, which must write FP32), nothing changes.
+
+    Args:
+        owner (Any): the ``DistributedOptimizer`` building its sharded state dict.
+        is_loading (bool): whether the sharded state dict is built to load a checkpoint.
+        registry (StateAdopterRegistry, optional): the adopters to consult; defaults to the
+            process-wide registry.
+    """
+    if not is_loading or id(owner) in _reads:
+        yield
+        return
+    registry = default_registry() if registry is None else registry
+    optimizer = owner.optimizer
+    existing = _existing_storages(optimizer.state)
+    declines: List[Tuple[str, str]] = []
+    registration = None
+    reason = _own_read_reason(owner, optimizer)
+    if reason is None:
+        with _outcome_if_interrupted(registry, _READ, optimizer, declines):
+            context = StateExportContext.for_owner(owner)
+            registration, _ = _first_accepting(registry, context, _read_target_check, declines)
+        if registration is None:
+            reason = (
+                "every read-target provider declined"
+                if declines
+                else ("no registered adopter is a read-target provider")
+            )
+    read = _Read(owner, registration, existing, reason or "")
+    _reads[id(owner)] = read
+    try:
+        yield
+    except BaseException as error:
+        _finish(registry, replace(read.outcome(error), declines=tuple(declines)))
+        raise
+    finally:
+        del _reads[id(owner)]
+    _finish(registry, replace(read.outcome(None), declines=tuple(declines)))
+
+
+def unscaled_state_or_read_target(owner: Any, param: torch.Tensor, name: str) -> torch.Tensor:
+    """``owner.optimizer.get_unscaled_state(param, name)``, or the tensor to read it into.
+
+    Args:
+        owner (Any): the precision-aware ``DistributedOptimizer``.
+        param (torch.Tensor): the inner optimizer's parameter.
+        name (str): the state's name.
+
+    Returns:
+        torch.Tensor: inside :func:`reading_optimizer_state` for ``owner``, the accepting
+        provider's read target; otherwise (and after a provider failed) upstream's tensor.
+    """
+    read = _reads.get(id(owner))
+    if read is None or read.owner is not owner:
+        unscaled: torch.Tensor = owner.optimizer.get_unscaled_state(param, name)
+        return unscaled
+    return read.target(param, name)
+
+
+def store_read_optimizer_state(
+    owner: Any, param: torch.Tensor, name: str, tensor: torch.Tensor
+) -> None:
+    """Store loaded values of state ``name`` of ``param`` as ``set_scaled_state`` would.
+
+    A tensor that is the held tensor was read in place: it stays as it is (upstream's
+    ``set_scaled_state`` would copy it onto itself). A BF16 tensor for a BF16 state is a read
+    target holding TE's cast already (the held tensor was replaced after the read): it is copied
+    in. Everything else -- upstream's FP32 copies, int16 remainders -- goes to
+    ``set_scaled_state``.
+
+    Args:
+        owner (Any): the precision-aware ``DistributedOptimizer``.
+        param (torch.Tensor): the inner optimizer's parameter.
+        name (str): the state's name.
+        tensor (torch.Tensor): the loaded values.
+    """
+    optimizer = owner.optimizer
+    held = _held_local(optimizer, param, name)
+    if held is not None and _is_same_tensor(held, tensor):
+        return
+    if (
+        held is not None
+        and held.dtype == tensor.dtype == torch.bfloat16
+        and held.shape == tensor.shape
+    ):
+        held.copy_(tensor)
+        return
+    optimizer.set_scaled_state(param, name, tensor)
