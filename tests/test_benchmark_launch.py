@@ -219,6 +219,20 @@ def test_cli_parses_the_layout_flags() -> None:
     assert cli.parse_layout(parser, defaults, cli.model_size(defaults)) == ParallelLayout()
 
 
+def test_the_opt_in_precision_aware_cases_run_only_by_name() -> None:
+    parser = cli.build_parser()
+    assert "precision_aware_fp16" not in parser.parse_args([]).cases
+    assert "precision_aware_fp16" not in parser.parse_args(["--cases", "all"]).cases
+    args = parser.parse_args(["--cases", "precision_aware_fp16,precision_aware_bf16_fully_reshardable"])
+    fp16, fully = cli.make_cases(args, TINY)
+    assert (fp16.sharding_format, fp16.moment_dtype, fp16.param_remainders) == ("dp_reshardable", "float16", True)
+    # megatron-core 0.19.2 cannot resume the gathered formats with int16 master remainders
+    assert (fully.sharding_format, fully.moment_dtype, fully.param_remainders) == ("fully_reshardable", "bfloat16", False)
+    assert fp16.precision_aware and fully.precision_aware
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cases", "precision_aware_bf16_fully"])
+
+
 # --------------------------------------------------------------------------- real launches
 
 

@@ -98,7 +98,7 @@ def optimizer_config(case: BenchmarkCase) -> OptimizerConfig:
             "exp_avg_sq_dtype": getattr(torch, case.moment_dtype),
             "main_params_dtype": torch.float32,
             "main_grads_dtype": torch.float32,
-            "store_param_remainders": True,
+            "store_param_remainders": case.param_remainders,
         }
     return OptimizerConfig(
         optimizer="adam",

@@ -19,8 +19,9 @@
 #                                        # against the build (PRESET=small; GPU_TESTS=1 adds them)
 #   bash scripts/device/gpu-batch.sh 5   # one GPU: issue #20, precision-aware with the plugin's
 #                                        # read targets: BF16 dp_reshardable and MoE at the
-#                                        # default size, BF16 fully_reshardable/dp_zero and FP16
-#                                        # moments (PRESET=small), the GPU tests
+#                                        # default size, FP16 moments (default size), BF16
+#                                        # fully_reshardable/dp_zero with FP32 master weights
+#                                        # (PRESET=small), the GPU tests
 # Needs .gpu/ from scripts/device/make-bundle.sh. LANE_SECONDS bounds every lane (default 530).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -128,7 +129,7 @@ case $batch in
   lane pa pa-bf16-default --cases precision_aware_bf16
   lane pa moe-pa-default --cases moe_precision_aware_bf16
   lane pa pa-formats --preset "${PRESET:-small}" --cases precision_aware_bf16_fully_reshardable,precision_aware_bf16_dp_zero_gather_scatter
-  lane pa pa-fp16 --preset "${PRESET:-small}" --cases precision_aware_fp16
+  lane pa pa-fp16 --cases precision_aware_fp16
   [[ -n "${GPU_TESTS:-}" ]] && lane eval 'PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1'
   ;;
 *) echo "unknown batch $batch" >&2; exit 2 ;;

@@ -137,6 +137,7 @@ def test_adoption_equals_te_loader(mode: str) -> None:
     elements = sum(s[0] * (s[1] if len(s) > 1 else 1) for s in SHAPES)
     # Measured by MCore's loader: every installed tensor is an incoming one (by reference).
     assert (outcome.reused_bytes, outcome.allocated_bytes) == (bytes_per_element * elements, 0)
+    assert adopted.allocations == 0  # not even one parameter's state, transiently
 
 
 @pytest.mark.parametrize(

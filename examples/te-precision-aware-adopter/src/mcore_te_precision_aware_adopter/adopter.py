@@ -6,10 +6,9 @@ and TE's ``FusedAdam.load_state_dict`` rebuilds the whole state both times:
 * **Scaffold pass.** MCore offers freshly allocated BF16 moments and master weights (FP32, or
   int16 remainders of BF16 parameters). TE upcasts each to an FP32 copy, allocates new
   tensors and copies the values back — exactly the incoming values. This adopter installs
-  the incoming tensors by reference instead. It uses TE's public
-  ``initialize_state(param, store_param_remainders)`` to lay out each parameter's state and
-  TE's per-state scales exactly as TE's loader leaves them, then replaces the freshly
-  initialised tensors by the incoming ones (a transient of one parameter's state at a time).
+  the incoming tensors by reference instead, and gives each non-FP32 state the scale of one
+  TE's loader creates with it (see ``held_state.create_scales_as_te_loads``): no tensor of
+  state is allocated, not even one parameter's.
 * **Export, before the payload pass.** MCore reads ``FusedAdam.state_dict()`` only for the
   param groups and to hand the state back to ``load_state_dict``; TE's ``state_dict()`` makes
   an FP32 copy of every BF16 moment (8 bytes per parameter, alive at the load peak). As a
@@ -50,7 +49,7 @@ from megatron.core.optimizer.state_adoption.validation import (
 )
 
 from .export import held_state_export_decline_reason, state_dict_of_held_tensors
-from .held_state import held_state_decline_reason, load_into_held_state
+from .held_state import create_scales_as_te_loads, held_state_decline_reason, load_into_held_state
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -195,12 +194,8 @@ class TEFusedAdamPrecisionAwareStateAdopter:
         torch.optim.Optimizer.load_state_dict(optimizer, {"state": {}, "param_groups": groups})
         for _, param, incoming in pairs:
             if adopts_scaffold:
-                keeps_remainders = (
-                    bool(optimizer.store_param_remainders) and param.dtype == torch.bfloat16
-                )
-                optimizer.state[param] = {}
-                optimizer.initialize_state(param, keeps_remainders)
-                optimizer.state[param].update(incoming)
+                optimizer.state[param] = dict(incoming)
+                create_scales_as_te_loads(optimizer, param, incoming)
             else:
                 optimizer.state[param] = held[param]
                 load_into_held_state(held[param], incoming)

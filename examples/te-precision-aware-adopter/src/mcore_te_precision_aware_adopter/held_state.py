@@ -10,7 +10,7 @@ the held tensors, or storing the same conversions chunk by chunk into them, give
 without the new state.
 """
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
 
 import torch
 
@@ -53,6 +53,29 @@ def load_into_held_state(
             held[key] = value
         else:
             store_as_te_loads(value, held[key])
+
+
+def create_scales_as_te_loads(optimizer: Any, param: torch.Tensor, keys: Iterable[str]) -> None:
+    """Give ``param``'s states the scales TE's loader creates with them.
+
+    TE's ``load_state_dict`` allocates every state it loads (``FusedAdam._initialize_state``),
+    which also puts a scale of one (FP32, one element, on the parameter's device) into
+    ``FusedAdam._scales[param][key]`` for every state whose configured dtype is not FP32; its
+    BF16 conversion leaves it at one. An adopter that installs the incoming tensors instead
+    creates the same entries in the same mapping -- the mapping whose layout the checks of this
+    package already require -- and allocates no state (TE's public ``initialize_state`` would
+    allocate all of one parameter's state, a transient of 6 bytes per element of the largest
+    parameter at the load peak).
+
+    Args:
+        optimizer (Any): the TE FusedAdam (its type, settings and ``_scales`` checked).
+        param (torch.Tensor): the parameter whose state was installed.
+        keys (Iterable[str]): the names of the installed states.
+    """
+    scales = optimizer._scales.setdefault(param, {})
+    for key in keys:
+        if optimizer.name_to_dtype_map[key] != torch.float32:
+            scales[key] = torch.ones([1], dtype=torch.float32, device=param.device)
 
 
 def incoming_dtype_for(held_dtype: torch.dtype) -> torch.dtype:
