@@ -231,12 +231,16 @@ def _annotate_peaks(
             if abs(t - pt) < 0.15 * end_s and abs(level - pl) < 0.08 * (high - low)
         )
         value = f"{peak / params:.2f} B/param" if params else f"{peak / MIB:,.0f} MiB"
+        # A label centred on a peak near either edge would run past the axes: anchor it inward.
+        left, right = ax.get_xlim()
+        where = (t - left) / (right - left) if right > left else 0.5
+        ha = "right" if where > 0.8 else "left" if where < 0.2 else "center"
         ax.annotate(
             f"{label} {value}",
             xy=(t, level),
             xytext=(0, 7 + 12 * stacked),
             textcoords="offset points",
-            ha="center",
+            ha=ha,
             fontsize=8.5,
             color=colour,
             fontweight="bold",
