@@ -504,7 +504,7 @@ def test_the_pinned_requirement_is_not_satisfied_by_plain_upstream() -> None:
     for other in ("0.16.1", "0.18.2+stateadoption", "0.19.3", "0.20.0+stateadoption"):
         assert not specifier.contains(other), other
     assert specifier.contains("0.19.2+stateadoption")
-    assert _pyproject()["project"]["version"] == "0.3.0"
+    assert _pyproject()["project"]["version"] == "0.4.0"
 
 
 def test_the_installed_plugin_is_this_checkout_pinned_to_the_installed_build() -> None:
