@@ -46,7 +46,7 @@ if dist_info != [f"megatron_core-{version}.dist-info"] or not module.__file__.st
     sys.exit(3)
 print(f"testing megatron-core {version} from {site}", flush=True)
 sys.exit(pytest.main(["-q", "tests/test_distributed_optimizer_integration.py",
-                      "tests/test_call_site_integration.py"]))' "$1" "$2" > "$3" 2>&1
+                      "tests/test_call_site_integration.py", "tests/test_read_hook_point.py"]))' "$1" "$2" > "$3" 2>&1
 }
 for release in $(python -c 'from build_tools.releases import supported_versions as v; print(*v())'); do
   start=$SECONDS
