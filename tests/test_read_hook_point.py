@@ -301,9 +301,11 @@ def test_an_error_while_building_ends_in_an_outcome(
     owner = _owner()
     with pytest.raises(ZeroDivisionError):
         with reading_optimizer_state(owner, True, registry=provider_registry):
+            owner._get_main_param_and_optimizer_states(_params(owner)[0])
             raise ZeroDivisionError("while building")
     (outcome,) = recorded
     assert outcome.error == "ZeroDivisionError: while building"
+    assert (outcome.adopter, outcome.method) == ("held_moments", "building the sharded state dict")
     param = _params(owner)[0]
     assert unscaled_state_or_read_target(owner, param, "exp_avg").dtype == torch.float32  # scope gone
 
@@ -367,3 +369,15 @@ def test_the_stand_in_asserts_fp32_like_te() -> None:
     optimizer.initialize_state(param)
     with pytest.raises(AssertionError):
         optimizer.set_scaled_state(param, "exp_avg", optimizer.state[param]["exp_avg"])
+
+
+def test_a_sharded_state_dict_that_asks_for_no_target_consults_nobody(
+    provider: HeldMomentReadTargets, provider_registry: StateAdopterRegistry, recorded: List[StateAdoptionOutcome]
+) -> None:
+    """An FP32 owner's dp_reshardable sharded state dict reads into its state directly: the scope
+    around it asks no provider and records no outcome."""
+    owner = _owner(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False, use_precision_aware_optimizer=False)
+    with reading_optimizer_state(owner, True, registry=provider_registry):
+        targets = [owner._get_main_param_and_optimizer_states(p) for p in _params(owner)]
+    assert all(t["exp_avg"] is owner.optimizer.state[p]["exp_avg"] for t, p in zip(targets, _params(owner)))
+    assert (provider.checked, recorded) == (0, [])

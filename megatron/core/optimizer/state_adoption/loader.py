@@ -1030,25 +1030,48 @@ def _read_target_problem(
 
 
 class _Read:
-    """The read targets of one sharded state dict being built for loading."""
+    """The read targets of one sharded state dict being built for loading.
 
-    def __init__(
-        self,
-        owner: Any,
-        registration: Optional[StateAdopterRegistration],
-        existing: _Existing,
-        reason: str,
-    ) -> None:
+    The providers are consulted at the first state tensor asked for, so an owner whose sharded
+    state dict asks for none (not precision-aware: its state tensors are read into directly)
+    consults nobody and ends in no outcome.
+    """
+
+    def __init__(self, owner: Any, registry: StateAdopterRegistry) -> None:
         self.owner = owner
-        self.registration = registration
+        self.registry = registry
         self.context = StateExportContext.for_owner(owner)
-        self.existing = existing
-        self.reason = reason
+        self.consulted = False
+        self.registration: Optional[StateAdopterRegistration] = None
+        self.existing: _Existing = []
+        self.declines: List[Tuple[str, str]] = []
+        self.reason = ""
         self.failure: Optional[str] = None
         self.targets: List[torch.Tensor] = []
 
+    def _consult(self) -> None:
+        """Ask the providers once; remember the accepting one, or why there is none."""
+        self.consulted = True
+        optimizer = self.owner.optimizer
+        self.existing = _existing_storages(optimizer.state)
+        reason = _own_read_reason(self.owner, optimizer)
+        if reason is None:
+            with _outcome_if_interrupted(self.registry, _READ, optimizer, self.declines):
+                self.registration, _ = _first_accepting(
+                    self.registry, self.context, _read_target_check, self.declines
+                )
+            if self.registration is None:
+                reason = (
+                    "every read-target provider declined"
+                    if self.declines
+                    else ("no registered adopter is a read-target provider")
+                )
+        self.reason = reason or ""
+
     def target(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The accepting provider's target, or upstream's ``get_unscaled_state`` copy."""
+        if not self.consulted:
+            self._consult()
         optimizer = self.owner.optimizer
         target: torch.Tensor
         if self.registration is not None and self.failure is None:
@@ -1073,28 +1096,27 @@ class _Read:
         self.targets.append(target)
         return target
 
-    def outcome(self, error: Optional[BaseException]) -> StateAdoptionOutcome:
-        """The outcome of the whole read: the targets measured, held tensors as reused."""
+    def finish(self, error: Optional[BaseException]) -> None:
+        """End a consulted read in its outcome: the targets measured, held tensors as reused."""
+        if not self.consulted:
+            return
         reused, allocated = _measure(
             {index: {"target": target} for index, target in enumerate(self.targets)}, self.existing
         )
         adopter = self.registration.name if self.registration is not None else None
-        return StateAdoptionOutcome(
+        own = f"{type(self.owner.optimizer).__name__}.get_unscaled_state"
+        outcome = StateAdoptionOutcome(
             _READ,
             _describe(self.owner.optimizer),
             adopter,
-            method=(
-                "building the sharded state dict"
-                if error is not None
-                else (
-                    None if adopter else f"{type(self.owner.optimizer).__name__}.get_unscaled_state"
-                )
-            ),
+            method="building the sharded state dict" if error else None if adopter else own,
             reused_bytes=0 if error else reused,
             allocated_bytes=0 if error else allocated,
+            declines=tuple(self.declines),
             fallback_reason=self.failure if adopter else self.reason,
             error=f"{type(error).__name__}: {error}" if error is not None else None,
         )
+        _finish(self.registry, outcome)
 
 
 _reads: Dict[int, _Read] = {}
@@ -1107,9 +1129,10 @@ def reading_optimizer_state(
     """Within the block, ``owner``'s read targets come from the first accepting provider.
 
     Around the construction of a precision-aware ``DistributedOptimizer``'s sharded state dict
-    for loading, the providers are consulted once; :func:`unscaled_state_or_read_target` then
-    hands out the accepting provider's targets. Outside the block, or when ``is_loading`` is
-    False (a save, which must write FP32), nothing changes.
+    for loading, the providers are consulted once, at the first state tensor
+    :func:`unscaled_state_or_read_target` is asked for, which then hands out the accepting
+    provider's targets; the block ends in one outcome. Outside the block, or when
+    ``is_loading`` is False (a save, which must write FP32), nothing changes.
 
     Args:
         owner (Any): the ``DistributedOptimizer`` building its sharded state dict.
@@ -1120,32 +1143,16 @@ def reading_optimizer_state(
     if not is_loading or id(owner) in _reads:
         yield
         return
-    registry = default_registry() if registry is None else registry
-    optimizer = owner.optimizer
-    existing = _existing_storages(optimizer.state)
-    declines: List[Tuple[str, str]] = []
-    registration = None
-    reason = _own_read_reason(owner, optimizer)
-    if reason is None:
-        with _outcome_if_interrupted(registry, _READ, optimizer, declines):
-            context = StateExportContext.for_owner(owner)
-            registration, _ = _first_accepting(registry, context, _read_target_check, declines)
-        if registration is None:
-            reason = (
-                "every read-target provider declined"
-                if declines
-                else ("no registered adopter is a read-target provider")
-            )
-    read = _Read(owner, registration, existing, reason or "")
+    read = _Read(owner, default_registry() if registry is None else registry)
     _reads[id(owner)] = read
     try:
         yield
     except BaseException as error:
-        _finish(registry, replace(read.outcome(error), declines=tuple(declines)))
+        read.finish(error)
         raise
     finally:
         del _reads[id(owner)]
-    _finish(registry, replace(read.outcome(None), declines=tuple(declines)))
+    read.finish(None)
 
 
 def unscaled_state_or_read_target(owner: Any, param: torch.Tensor, name: str) -> torch.Tensor:
