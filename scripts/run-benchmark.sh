@@ -4,6 +4,14 @@
 # Needs an NVIDIA GPU and Transformer Engine (e.g. an NGC PyTorch container, whose packages the
 # venv sees); without them it says what is missing and exits with code 2.
 # Usage: bash scripts/run-benchmark.sh [benchmark args, see --help]   (VENV=dir to reuse a venv)
+# Offline (no package index):
+#   WHEELHOUSE=DIR  pip installs only from DIR (--no-index --find-links DIR) and pip is not
+#                   upgraded; DIR holds the wheels the venv lacks beyond the machine's packages
+#   BUILD=WHEEL     installs that wheel of this build (e.g. from `pip wheel --no-deps .` on a
+#                   machine with an index) instead of building this checkout
+#   BUILD=DIR       a site with this build (`pip install --target DIR ...`): nothing is
+#                   installed, the benchmark gets --build DIR
+# and give upstream as a wheel or site: --upstream WHEEL|DIR (else it is fetched from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
@@ -19,6 +27,24 @@ venv=${VENV:-.venv-benchmark}
 [[ -x $venv/bin/python ]] || "$PYTHON" -m venv --system-site-packages "$venv"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
-python -m pip install -q --upgrade pip
-python -m pip install -q .
-exec python -m benchmarks.resume_benchmark "$@"
+pip_args=(-q)
+if [[ -n ${WHEELHOUSE:-} ]]; then
+  [[ -d $WHEELHOUSE ]] || { echo "WHEELHOUSE=$WHEELHOUSE is not a directory" >&2; exit 2; }
+  pip_args+=(--no-index --find-links "$WHEELHOUSE")
+  echo "offline: installing only from $WHEELHOUSE" >&2
+else
+  python -m pip install -q --upgrade pip
+fi
+build_args=()
+if [[ -z ${BUILD:-} ]]; then
+  python -m pip install "${pip_args[@]}" .
+elif [[ -d $BUILD ]]; then
+  echo "using the build in $BUILD (nothing installed)" >&2
+  build_args=(--build "$BUILD")
+elif [[ -f $BUILD && $BUILD == *.whl ]]; then
+  python -m pip install "${pip_args[@]}" "$BUILD"
+else
+  echo "BUILD=$BUILD is neither a wheel (*.whl) nor a directory" >&2
+  exit 2
+fi
+exec python -m benchmarks.resume_benchmark "${build_args[@]}" "$@"
