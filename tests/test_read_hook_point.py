@@ -15,6 +15,7 @@ upstream nothing consults a provider, so the tests that expect held targets fail
 """
 
 import logging
+import types
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
@@ -253,7 +254,9 @@ BROKEN_TARGETS = {
     "a BF16 copy": (_bf16_copy, "neither the held tensor nor FP32 of its shape"),
     "the wrong shape": (_wrong_shape, "neither the held tensor nor FP32 of its shape"),
     "a raise": (_raises, "KeyError"),
-    "a Parameter": (_a_parameter, "not a plain tensor"),
+    "a Parameter": (_a_parameter, "it returned a Parameter, not a plain tensor"),
+    "another device": (lambda o, p: torch.zeros(p.shape, device="meta"), "the target is on meta, the held 'exp_avg_sq' on cpu"),
+
 }
 
 
@@ -266,13 +269,14 @@ def test_a_broken_target_falls_back_for_it_and_the_rest(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     make, message = BROKEN_TARGETS[broken]
-    provider.target_of["exp_avg_sq"] = make
     owner = _owner()
+    first_param = _params(owner)[0]
+    provider.target_of["exp_avg_sq"] = make
     checkpoint = _checkpoint(owner)
     with caplog.at_level(logging.WARNING):
         targets = _build_targets(owner, provider_registry)
     first = targets[0]
-    assert first["exp_avg"] is owner.optimizer.state[_params(owner)[0]]["exp_avg"]  # before the failure
+    assert first["exp_avg"] is owner.optimizer.state[first_param]["exp_avg"]  # before the failure
     assert first["exp_avg_sq"].dtype == torch.float32
     assert all(t[k].dtype == torch.float32 for t in targets[1:] for k in MOMENTS)
     (outcome,) = recorded
@@ -295,17 +299,21 @@ def test_a_scaled_fp16_state_cannot_be_read_in_place(
     assert "torch.float16, which TE scales: it needs an FP32 target" in (outcome.fallback_reason or "")
 
 
-def test_an_error_while_building_ends_in_an_outcome(
-    provider_registry: StateAdopterRegistry, recorded: List[StateAdoptionOutcome]
-) -> None:
+@pytest.mark.parametrize("with_provider", [True, False])
+def test_an_error_while_building_ends_in_an_outcome(with_provider: bool, provider_registry: StateAdopterRegistry) -> None:
+    registry = provider_registry if with_provider else StateAdopterRegistry(entry_point_group=None)
+    recorded: List[StateAdoptionOutcome] = []
+    registry.register_outcome_hook(recorded.append)
     owner = _owner()
     with pytest.raises(ZeroDivisionError):
-        with reading_optimizer_state(owner, True, registry=provider_registry):
-            owner._get_main_param_and_optimizer_states(_params(owner)[0])
+        with reading_optimizer_state(owner, True, registry=registry):
+            owner._get_main_param_and_optimizer_states(_params(owner)[0])  # targets were handed out
             raise ZeroDivisionError("while building")
     (outcome,) = recorded
     assert outcome.error == "ZeroDivisionError: while building"
-    assert (outcome.adopter, outcome.method) == ("held_moments", "building the sharded state dict")
+    assert outcome.adopter == ("held_moments" if with_provider else None)
+    assert outcome.method == "building the sharded state dict"
+    assert (outcome.reused_bytes, outcome.allocated_bytes) == (0, 0)  # a failed build measures nothing
     param = _params(owner)[0]
     assert unscaled_state_or_read_target(owner, param, "exp_avg").dtype == torch.float32  # scope gone
 
@@ -381,3 +389,76 @@ def test_a_sharded_state_dict_that_asks_for_no_target_consults_nobody(
         targets = [owner._get_main_param_and_optimizer_states(p) for p in _params(owner)]
     assert all(t["exp_avg"] is owner.optimizer.state[p]["exp_avg"] for t, p in zip(targets, _params(owner)))
     assert (provider.checked, recorded) == (0, [])
+
+
+def test_a_target_overlapping_the_held_tensor_is_refused(
+    provider: HeldMomentReadTargets, recorded: List[StateAdoptionOutcome], provider_registry: StateAdopterRegistry
+) -> None:
+    """With FP32 master weights (no remainders) a target of the held dtype and shape that shares
+    the held storage but is not the held tensor (another stride) must not pass as new memory."""
+    optimizer = make_standin(
+        make_params(0, dtype=torch.bfloat16),
+        master_weights=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+    )
+    owner = precision_aware_owner(optimizer)
+    provider.target_of["master_param"] = lambda o, p: o.state[p]["master_param"].as_strided(p.shape, [0] * p.dim())
+    _build_targets(owner, provider_registry)
+    (outcome,) = recorded
+    assert "(ValueError: the target overlaps the held tensor without being it)" in (outcome.fallback_reason or "")
+
+
+def test_an_owner_without_a_config_is_served(provider_registry: StateAdopterRegistry) -> None:
+    owner = _owner()
+    bare = types.SimpleNamespace(optimizer=owner.optimizer)  # what a third-party owner may be
+    param = _params(owner)[0]
+    with reading_optimizer_state(bare, True, registry=provider_registry):
+        target = unscaled_state_or_read_target(bare, param, "exp_avg")
+    assert target is owner.optimizer.state[param]["exp_avg"]
+
+
+def test_an_interrupted_consult_ends_in_an_outcome_and_propagates() -> None:
+    class Interrupting(HeldMomentReadTargets):
+        def read_target_decline_reason(self, context: Any) -> Any:
+            raise KeyboardInterrupt
+
+    registry = StateAdopterRegistry(entry_point_group=None)
+    registry.register(Interrupting("interrupting"))
+    registry.register(HeldMomentReadTargets("never_asked"))
+    outcomes: List[StateAdoptionOutcome] = []
+    registry.register_outcome_hook(outcomes.append)
+    owner = _owner()
+    with pytest.raises(KeyboardInterrupt):
+        with reading_optimizer_state(owner, True, registry=registry):
+            owner._get_main_param_and_optimizer_states(_params(owner)[0])
+    (outcome,) = outcomes
+    assert (outcome.hook_point, outcome.fallback_reason) == ("read", "interrupted while consulting the adopters")
+    assert outcome.error == "KeyboardInterrupt: "
+
+
+def test_the_store_for_a_state_not_held_is_set_scaled_state() -> None:
+    owner, param = _one_param_owner()
+    del owner.optimizer.state[param]["exp_avg"]
+    values = torch.randn(param.shape)
+    store_read_optimizer_state(owner, param, "exp_avg", values)  # TE creates the state
+    assert torch.equal(owner.optimizer.state[param]["exp_avg"], values.bfloat16())
+
+
+@pytest.mark.parametrize("held", ["missing", "not a tensor", "no state for the parameter"])
+def test_a_target_for_a_state_not_held_is_refused(
+    held: str, provider: HeldMomentReadTargets, provider_registry: StateAdopterRegistry, recorded: List[StateAdoptionOutcome]
+) -> None:
+    """MCore asks only for held tensors; a caller asking for another is told, not crashed."""
+    owner, param = _one_param_owner()
+    provider.target_of["extra"] = lambda o, p: torch.zeros(p.shape)
+    if held == "not a tensor":
+        owner.optimizer.state[param]["extra"] = 0.0
+    if held == "no state for the parameter":
+        del owner.optimizer.state[param]
+        owner.optimizer.state[param]["exp_avg"] = torch.zeros(param.shape, dtype=torch.bfloat16)  # for get_unscaled_state
+    with reading_optimizer_state(owner, True, registry=provider_registry):
+        with pytest.raises((KeyError, AttributeError)):  # the stand-in's own get_unscaled_state, as upstream's call
+            unscaled_state_or_read_target(owner, param, "extra")
+    (outcome,) = recorded
+    assert "(ValueError: the optimizer holds no 'extra' for this parameter)" in (outcome.fallback_reason or "")

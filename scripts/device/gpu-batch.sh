@@ -21,7 +21,8 @@
 #                                        # read targets: BF16 dp_reshardable and MoE at the
 #                                        # default size, FP16 moments (default size), BF16
 #                                        # fully_reshardable/dp_zero with FP32 master weights
-#                                        # (PRESET=small), the GPU tests
+#                                        # (PRESET=small), the GPU tests; LANES="..." picks
+#                                        # lanes (also fp32-default: FP32 without the plugin)
 # Needs .gpu/ from scripts/device/make-bundle.sh. LANE_SECONDS bounds every lane (default 530).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -126,10 +127,16 @@ case $batch in
   ;;
 5)  # one GPU shared by the lanes (memory peaks are per process)
   pa() { bench "$1" /tmp/mc-upstream /tmp/mc-plugin --gpus 0 "${@:2}"; }
-  lane pa pa-bf16-default --cases precision_aware_bf16
-  lane pa moe-pa-default --cases moe_precision_aware_bf16
-  lane pa pa-formats --preset "${PRESET:-small}" --cases precision_aware_bf16_fully_reshardable,precision_aware_bf16_dp_zero_gather_scatter
-  lane pa pa-fp16 --cases precision_aware_fp16
+  for l in ${LANES:-pa-bf16-default moe-pa-default pa-formats pa-fp16}; do
+    case $l in
+      pa-bf16-default) lane pa pa-bf16-default --cases precision_aware_bf16 ;;
+      moe-pa-default) lane pa moe-pa-default --cases moe_precision_aware_bf16 ;;
+      pa-formats) lane pa pa-formats --preset "${PRESET:-small}" --cases precision_aware_bf16_fully_reshardable,precision_aware_bf16_dp_zero_gather_scatter ;;
+      pa-fp16) lane pa pa-fp16 --cases precision_aware_fp16 ;;
+      fp32-default) lane bench fp32-default /tmp/mc-upstream /tmp/mc-build --gpus 0 --cases dp_reshardable ;;  # no plugin
+      *) echo "unknown lane $l" >&2 ;;
+    esac
+  done
   [[ -n "${GPU_TESTS:-}" ]] && lane eval 'PYTHONPATH=/tmp/mc-plugin:/tmp/te CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$res/gpu-tests.log" 2>&1'
   ;;
 *) echo "unknown batch $batch" >&2; exit 2 ;;

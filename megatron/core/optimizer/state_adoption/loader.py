@@ -247,13 +247,18 @@ def _existing_storages(*states: Any) -> _Existing:
 
 def _measure(state: Any, existing: _Existing) -> Tuple[int, int]:
     """(bytes in tensors whose storage existed before, bytes in new tensors) of ``state``."""
+    return _measure_tensors(_state_tensors(state), existing)
+
+
+def _measure_tensors(tensors: Iterable[torch.Tensor], existing: _Existing) -> Tuple[int, int]:
+    """(bytes in tensors whose storage existed before, bytes in new tensors) of ``tensors``."""
     alive = set()
     for reference, address in existing:
         held = reference()
         if held is not None and _storage(_local(held)) == address:
             alive.add(address)
     reused = allocated = 0
-    for tensor in map(_local, _state_tensors(state)):
+    for tensor in map(_local, tensors):
         storage = _storage(tensor)
         if storage is None:
             continue
@@ -1043,15 +1048,15 @@ class _Read:
         self.context = StateExportContext.for_owner(owner)
         self.consulted = False
         self.registration: Optional[StateAdopterRegistration] = None
-        self.existing: _Existing = []
+        self.existing: _Existing  # the held state when consulted
         self.declines: List[Tuple[str, str]] = []
-        self.reason = ""
+        self.reason: Optional[str]  # why upstream's targets, when consulted
         self.failure: Optional[str] = None
         self.targets: List[torch.Tensor] = []
 
     def _consult(self) -> None:
-        """Ask the providers once; remember the accepting one, or why there is none."""
-        self.consulted = True
+        """Ask the providers once; remember the accepting one, or why there is none (an
+        interrupted consult ends in its own outcome and leaves the read unconsulted)."""
         optimizer = self.owner.optimizer
         self.existing = _existing_storages(optimizer.state)
         reason = _own_read_reason(self.owner, optimizer)
@@ -1066,7 +1071,8 @@ class _Read:
                     if self.declines
                     else ("no registered adopter is a read-target provider")
                 )
-        self.reason = reason or ""
+        self.reason = reason
+        self.consulted = True
 
     def target(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The accepting provider's target, or upstream's ``get_unscaled_state`` copy."""
@@ -1100,9 +1106,7 @@ class _Read:
         """End a consulted read in its outcome: the targets measured, held tensors as reused."""
         if not self.consulted:
             return
-        reused, allocated = _measure(
-            {index: {"target": target} for index, target in enumerate(self.targets)}, self.existing
-        )
+        reused, allocated = _measure_tensors(self.targets, self.existing)
         adopter = self.registration.name if self.registration is not None else None
         own = f"{type(self.owner.optimizer).__name__}.get_unscaled_state"
         outcome = StateAdoptionOutcome(
