@@ -28,5 +28,4 @@ Layout (one concern per module):
 * :mod:`.fingerprint` -- bitwise (SHA-256) fingerprints of model and optimizer state.
 * :mod:`.results` -- result records and their comparison (no torch import).
 * :mod:`.report` -- the Markdown table and the JSON document; merging several runs' documents.
-* :mod:`.legacy` -- documents written before the one-path entry shape, for the report.
 """

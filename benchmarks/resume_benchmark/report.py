@@ -4,8 +4,7 @@ One row per case, side and rank: the control's ranks, then upstream's, then the 
 ``rank`` column and the layout in the case cell (e.g. ``moe (2 DistributedOptimizers) [TP 1,
 EP 2, DP 2]``) appear only when some case ran on more than one rank. Optional columns appear
 only when some row has their value: ``state installed by`` (a resume recorded
-``state_adoption``) and ``load peak ≤ step N+1 peak``. Documents written before the current
-entry shape (:mod:`.legacy`) render exactly as they always did.
+``state_adoption``) and ``load peak ≤ step N+1 peak``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from typing import Any
 
 from benchmarks.resume_benchmark.adoption import adopters_text, installed_by_text, load_outcomes
 from benchmarks.resume_benchmark.launch import ParallelLayout
-from benchmarks.resume_benchmark.legacy import current_entry
 
 MIB = float(1 << 20)
 _DASH = "—"
@@ -300,7 +298,7 @@ def markdown_report(document: Mapping[str, Any]) -> str:
     """Render the JSON document as Markdown: environment, settings, notes and one table."""
     env = document["environment"]
     settings = document["settings"]
-    cases = [current_entry(e) for e in document["cases"]]
+    cases = document["cases"]
     lines = [
         "# Checkpoint-resume memory: upstream megatron-core vs. the state-adoption build",
         "",
