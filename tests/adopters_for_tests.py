@@ -155,22 +155,17 @@ def pytorch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     return torch.optim.Optimizer.state_dict(optimizer)
 
 
-class HeldMomentReadTargets:
-    """A read-target provider for the BF16 stand-in: the held moments themselves (the read casts
-    FP32 into them as TE's ``set_scaled_state`` does), and the stand-in's own tensor for the
-    rest. ``target_of`` may replace what it returns for one state name, to break the contract.
+class HeldMomentReadTargets(DecliningAdopter):
+    """A read-target provider for the BF16 stand-in (and no adopter): the held moments
+    themselves (the read casts FP32 into them as TE's ``set_scaled_state`` does), and the
+    stand-in's own tensor for the rest. ``target_of`` may replace what it returns for one state
+    name, to break the contract.
     """
 
     def __init__(self, name: str = "held_moments") -> None:
-        self.name = name
+        super().__init__(name, "only supplies read targets")
         self.checked = 0
         self.target_of: Dict[str, Callable[[Any, torch.Tensor], Any]] = {}
-
-    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
-        return "only supplies read targets"
-
-    def adopt(self, context: StateAdoptionContext) -> None:
-        raise AssertionError("adopt() called although decline_reason() declined")
 
     def read_target_decline_reason(self, context: StateExportContext) -> Optional[str]:
         self.checked += 1

@@ -944,25 +944,6 @@ inner optimizer now goes through the state-adoption registry:
 With no adopter accepting, each call does exactly what the direct call
 did. Each call site is one small hunk; the logic stays in the subsystem.
 """,
-    ("direct_load", "export", "initialize", "load"): """\
-Every place where Megatron Core hands loaded optimizer state to the
-inner optimizer now goes through the state-adoption registry:
-
-- DistributedOptimizer.load_state_dict reads the inner optimizer's
-  state with export_inner_optimizer_state_dict(self) and installs the
-  assembled state with load_inner_optimizer_state_dict(self, ...);
-- its Megatron-FSDP branch (fsdp_dtensor checkpoints) installs the
-  loaded DTensor state with load_inner_optimizer_state_dict(self, ...),
-  and sharded_param_state_fsdp_dtensor creates the state the checkpoint
-  is read into with initialize_inner_optimizer_state(self, ...), which
-  runs the dummy step unless an initializer creates the state without
-  its zero gradients;
-- Float16OptimizerWithFloat16Params and FP32Optimizer (without the
-  distributed optimizer) do the same in their load_state_dict.
-
-With no adopter accepting, each call does exactly what the direct call
-did. Each call site is one small hunk; the logic stays in the subsystem.
-""",
     ("load",): """\
 DistributedOptimizer.load_state_dict now installs the assembled inner
 state with load_inner_optimizer_state_dict(self, ...) instead of calling
