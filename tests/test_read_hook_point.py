@@ -434,6 +434,7 @@ def test_an_interrupted_consult_ends_in_an_outcome_and_propagates() -> None:
             owner._get_main_param_and_optimizer_states(_params(owner)[0])
     (outcome,) = outcomes
     assert (outcome.hook_point, outcome.fallback_reason) == ("read", "interrupted while consulting the adopters")
+    assert outcome.optimizer.startswith(f"FusedAdamStandIn {id(owner.optimizer):#x}")
     assert outcome.error == "KeyboardInterrupt: "
 
 
@@ -445,7 +446,7 @@ def test_the_store_for_a_state_not_held_is_set_scaled_state() -> None:
     assert torch.equal(owner.optimizer.state[param]["exp_avg"], values.bfloat16())
 
 
-@pytest.mark.parametrize("held", ["missing", "not a tensor", "no state for the parameter"])
+@pytest.mark.parametrize("held", ["missing", "not a tensor", "no state for the parameter", "no entry at all"])
 def test_a_target_for_a_state_not_held_is_refused(
     held: str, provider: HeldMomentReadTargets, provider_registry: StateAdopterRegistry, recorded: List[StateAdoptionOutcome]
 ) -> None:
@@ -457,8 +458,28 @@ def test_a_target_for_a_state_not_held_is_refused(
     if held == "no state for the parameter":
         del owner.optimizer.state[param]
         owner.optimizer.state[param]["exp_avg"] = torch.zeros(param.shape, dtype=torch.bfloat16)  # for get_unscaled_state
+    if held == "no entry at all":
+        del owner.optimizer.state[param]
+        assert owner.optimizer.state.get(param) is None
     with reading_optimizer_state(owner, True, registry=provider_registry):
         with pytest.raises((KeyError, AttributeError)):  # the stand-in's own get_unscaled_state, as upstream's call
             unscaled_state_or_read_target(owner, param, "extra")
     (outcome,) = recorded
     assert "(ValueError: the optimizer holds no 'extra' for this parameter)" in (outcome.fallback_reason or "")
+
+
+def test_a_new_fp32_target_is_read_into_and_converted_by_set_scaled_state(
+    provider: HeldMomentReadTargets, provider_registry: StateAdopterRegistry, recorded: List[StateAdoptionOutcome]
+) -> None:
+    """The contract's other kind of target: a new FP32 tensor of the held shape (a scratch),
+    which TE's set_scaled_state converts after the read; measured as allocated."""
+    provider.target_of["exp_avg"] = lambda o, p: torch.empty(p.shape, dtype=torch.float32)
+    owner = _owner()
+    checkpoint = _checkpoint(owner)
+    targets = _build_targets(owner, provider_registry)
+    assert all(t["exp_avg"].dtype == torch.float32 and t["exp_avg_sq"].dtype == torch.bfloat16 for t in targets)
+    (outcome,) = recorded
+    assert (outcome.adopter, outcome.fallback_reason) == ("held_moments", None)
+    assert outcome.allocated_bytes == sum(4 * p.numel() for p in _params(owner))  # the scratches
+    _read_and_store(owner, targets, checkpoint)
+    assert_bitwise_equal(_held(owner), _upstream_state(checkpoint))
