@@ -154,6 +154,16 @@ def _disabled_adopter_names(registrations: Iterable[StateAdopterRegistration]) -
     return names
 
 
+def _instance_method_reason(optimizer: torch.optim.Optimizer, method: str) -> Optional[str]:
+    """Why ``method`` set on the optimizer *instance* (e.g. by a wrapper) must run, or None."""
+    if method in getattr(optimizer, "__dict__", {}):
+        return (
+            f"the {type(optimizer).__name__} instance has its own {method} (set on the "
+            "instance, e.g. by a wrapper), which upstream calls"
+        )
+    return None
+
+
 def _own_method_reason(
     owner: Any, optimizer: torch.optim.Optimizer, hook_point: str
 ) -> Optional[str]:
@@ -165,11 +175,9 @@ def _own_method_reason(
     if reason is not None:
         return reason
     method = _METHODS[hook_point]
-    if method in getattr(optimizer, "__dict__", {}):
-        return (
-            f"the {type(optimizer).__name__} instance has its own {method} (set on the "
-            "instance, e.g. by a wrapper), which upstream calls"
-        )
+    reason = _instance_method_reason(optimizer, method)
+    if reason is not None:
+        return reason
     for kind in ("pre", "post"):
         hooks = getattr(optimizer, f"_optimizer_{method}_{kind}_hooks", None)
         if not isinstance(hooks, Mapping):
@@ -979,11 +987,9 @@ def _own_read_reason(owner: Any, optimizer: torch.optim.Optimizer) -> Optional[s
     if reason is not None:
         return reason
     for method in _SCALED_STATE_METHODS:
-        if method in getattr(optimizer, "__dict__", {}):
-            return (
-                f"the {type(optimizer).__name__} instance has its own {method} (set on the "
-                "instance, e.g. by a wrapper), which upstream calls"
-            )
+        reason = _instance_method_reason(optimizer, method)
+        if reason is not None:
+            return reason
     return None
 
 
@@ -1029,7 +1035,8 @@ def _read_target_problem(
         return f"the target is {target.dtype} {tuple(target.shape)}: neither the held tensor nor FP32 of its shape"
     if target.device != held.device:
         return f"the target is on {target.device}, the held {name!r} on {held.device}"
-    if _storage(target) is not None and _storage(target) == _storage(held):
+    storage = _storage(target)
+    if storage is not None and storage == _storage(held):
         return "the target overlaps the held tensor without being it"
     return None
 
