@@ -67,6 +67,9 @@ EXIT_CRASH = 1
 EXIT_WRONG_SIDES = 3
 EXIT_EXPECTATION_MISSED = 4
 
+#: First argument that runs the Megatron-LM client (:mod:`.megatron_lm`) instead.
+CLIENT_COMMAND = "megatron-lm"
+
 _SIZE_FLAGS = tuple(field.name for field in dataclasses.fields(ModelSize))
 
 
@@ -99,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.resume_benchmark",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"On your own training: python -m benchmarks.resume_benchmark {CLIENT_COMMAND} "
+        "--help (Megatron-LM's pretrain_gpt.py).",
     )
     parser.add_argument(
         "--cases",
@@ -276,7 +281,7 @@ def _probe(workspace: Workspace, side: Side) -> dict[str, Any]:
     return outcome.results[0]
 
 
-def _prepare_sides(
+def prepare_sides(
     args: argparse.Namespace, workspace: Workspace
 ) -> tuple[dict[str, Side], dict[str, dict[str, Any]]] | int:
     """Both sides and their probes, or the exit status that ends the run."""
@@ -420,6 +425,12 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; see the module docstring for exit statuses."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if CLIENT_COMMAND in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        from benchmarks.resume_benchmark.megatron_lm import main as client_main
+
+        argv.remove(CLIENT_COMMAND)
+        return client_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     size = model_size(args)
@@ -434,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CANNOT_RUN
     workspace = Workspace(args.work_dir or Path(tempfile.mkdtemp(prefix="resume-benchmark-")))
     progress(f"workspace (logs, raw results): {workspace.root}")
-    prepared = _prepare_sides(args, workspace)
+    prepared = prepare_sides(args, workspace)
     if isinstance(prepared, int):
         return prepared
     sides, probes = prepared

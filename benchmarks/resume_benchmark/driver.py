@@ -121,8 +121,11 @@ def run_phase(
     spec: Mapping[str, Any] | None,
     timeout_s: float,
     nproc: int = 1,
+    command: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> PhaseOutcome:
-    """Run ``worker --phase phase`` for ``side`` on ``nproc`` ranks; wait, log, read results.
+    """Run ``worker --phase phase`` (or ``command``) for ``side`` on ``nproc`` ranks; wait, log,
+    read results. ``env`` is added to the side's worker environment.
 
     The launch runs in its own session and is killed as a group after ``timeout_s``.
     """
@@ -135,7 +138,8 @@ def run_phase(
     if spec is not None:
         spec_path = workspace.path(f"{name}.spec.json")
         write_json(spec_path, spec)
-    command = worker_command(sys.executable, phase, result_path, spec_path, nproc)
+    if command is None:
+        command = worker_command(sys.executable, phase, result_path, spec_path, nproc)
     started = time.perf_counter()
     with log_path.open("w") as log:
         log.write(f"# side {side.label}: {side.source}\n# {' '.join(command)}\n")
@@ -143,7 +147,7 @@ def run_phase(
         proc = subprocess.Popen(
             command,
             cwd=workspace.shim,
-            env={**worker_environment(side, REPO_ROOT), **RANK_LINE_PREFIX_ENV},
+            env={**worker_environment(side, REPO_ROOT), **RANK_LINE_PREFIX_ENV, **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

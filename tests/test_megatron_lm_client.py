@@ -1,0 +1,300 @@
+"""The Megatron-LM client of the resume benchmark: arguments, client tree, parsing, comparison.
+
+Everything the client does before and after the GPU runs, on the CPU: the ``pretrain_gpt.py``
+arguments per phase, the refusals, the client tree taken from a real git repository, the
+``make`` shim run as a process, Megatron-LM's console lines (in the format of
+``megatron/training/training.py`` of core_r0.19.0), real TensorBoard event files written with
+``torch.utils.tensorboard``, and real ``torch_dist`` (``torch.distributed.checkpoint``)
+directories compared tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.resume_benchmark import megatron_lm as client
+from benchmarks.resume_benchmark.megatron_lm import ClientUsageError, RunPlan
+
+USER_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--bf16"]
+
+
+def _plan(tmp_path: Path, deterministic: bool = False) -> RunPlan:
+    return RunPlan(10, 4, deterministic, tmp_path / "ckpt")
+
+
+def test_base_arguments_add_what_the_runs_need_and_say_so() -> None:
+    args, notes = client.base_arguments(USER_ARGS, apex_fusion=False)
+    assert args[: len(USER_ARGS)] == USER_ARGS
+    for added in (
+        ["--mock-data"],
+        ["--ckpt-format", "torch_dist"],
+        ["--eval-iters", "0"],
+        ["--no-gradient-accumulation-fusion"],
+        ["--log-interval", "1", "--tensorboard-log-interval", "1"],
+    ):
+        start = args.index(added[0])
+        assert args[start : start + len(added)] == added
+    assert len(notes) == 4
+    assert any("Apex" in note for note in notes)
+
+
+def test_base_arguments_keep_what_the_user_chose() -> None:
+    user = [*USER_ARGS, "--data-path", "/d", "--ckpt-format=torch_dist", "--eval-iters", "3"]
+    args, notes = client.base_arguments(user, apex_fusion=True)
+    assert "--mock-data" not in args and "--no-gradient-accumulation-fusion" not in args
+    assert args.count("--eval-iters") == 1 and "--ckpt-format" not in args[len(user) :]
+    assert notes == []
+    fused, _ = client.base_arguments([*USER_ARGS, "--no-gradient-accumulation-fusion"], False)
+    assert fused.count("--no-gradient-accumulation-fusion") == 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--train-iters", "5"], ["--save=/x"], ["--load", "/x"], ["--exit-interval", "2"],
+     ["--log-interval", "10"], ["--deterministic-mode"], ["--no-load-optim"]],
+)  # fmt: skip
+def test_owned_arguments_are_refused(extra: list[str]) -> None:
+    with pytest.raises(ClientUsageError, match=extra[0].split("=")[0]):
+        client.base_arguments([*USER_ARGS, *extra], apex_fusion=True)
+
+
+def test_other_checkpoint_formats_are_refused() -> None:
+    with pytest.raises(ClientUsageError, match="torch_dist"):
+        client.base_arguments([*USER_ARGS, "--ckpt-format", "torch"], apex_fusion=True)
+
+
+def test_phase_arguments(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    train = client.phase_arguments(USER_ARGS, "train", plan, tmp_path)
+    assert train[-6:] == [
+        "--save",
+        str(plan.checkpoint),
+        "--save-interval",
+        "4",
+        "--exit-interval",
+        "4",
+    ]
+    assert train[train.index("--train-iters") + 1] == "10"
+    control = client.phase_arguments(USER_ARGS, "uninterrupted", plan, tmp_path)
+    assert "--save" not in control and "--load" not in control
+    assert control[control.index("--tensorboard-dir") + 1] == str(
+        tmp_path / "tensorboard-uninterrupted"
+    )
+    resume = client.phase_arguments(USER_ARGS, "resume-build", plan, tmp_path)
+    assert resume[-2:] == ["--load", str(plan.checkpoint)] and "--deterministic-mode" not in resume
+    exact = client.phase_arguments(USER_ARGS, "resume-build", _plan(tmp_path, True), tmp_path)
+    assert "--deterministic-mode" in exact
+    assert exact[-4:] == ["--save", str(tmp_path / "saved-resume-build"), "--save-interval", "10"]
+
+
+@pytest.mark.parametrize("resume_at", [0, 10, 11])
+def test_resume_point_inside_the_run(tmp_path: Path, resume_at: int) -> None:
+    with pytest.raises(ClientUsageError, match="--resume-at"):
+        RunPlan(10, resume_at, False, tmp_path)
+
+
+def test_release_branch() -> None:
+    assert client.release_branch("0.19.2+stateadoption") == "core_r0.19.0"
+    assert client.release_branch("0.16.1") == "core_r0.16.0"
+
+
+CONSOLE = """\
+ > number of parameters on (tensor, gtp_weight_remat, pipeline) model parallel rank (0, 0, 0): 1073745920
+ [2026-12-02 01:02:03.456789] iteration        5/      10 | consumed samples:           80 | elapsed time per iteration (ms): 512.3 | learning rate: 3.000000E-04 | global batch size:    16 | lm loss: 1.034567E+01 | loss scale: 1.0 | grad norm: 2.345 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[Rank 0] (after 5 iterations) memory (MB) | allocated: 20480.12 | max allocated: 30720.50 | reserved: 32000.00 | max reserved: 32000.00
+ [2026-12-02 01:02:04.456789] iteration        6/      10 | consumed samples:           96 | elapsed time per iteration (ms): 500.1 | learning rate: 2.900000E-04 | global batch size:    16 | lm loss: 1.021000E+01 | loss scale: 1.0 | grad norm: 2.000 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[Rank 0] (after 6 iterations) memory (MB) | allocated: 20480.12 | max allocated: 30800.00 | reserved: 32000.00 | max reserved: 32000.00
+"""  # fmt: skip
+
+
+def test_console_parsing() -> None:
+    assert client.console_losses(CONSOLE) == {5: "1.034567E+01", 6: "1.021000E+01"}
+    assert client.first_memory_report(CONSOLE) == (5, 30720.5)
+    assert client.parameter_count(CONSOLE) == 1073745920
+    assert client.first_memory_report("no report") is None
+    assert client.parameter_count("") is None
+
+
+def test_tensorboard_losses_are_the_exact_scalars(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    values = {1: 10.123456789, 2: 9.87654321, 3: 9.5}
+    writer = SummaryWriter(str(tmp_path))
+    for step, value in values.items():
+        writer.add_scalar("lm loss", torch.tensor(value), step)
+        writer.add_scalar("lm loss vs samples", torch.tensor(value), step * 16)
+    writer.close()
+    losses = client.tensorboard_losses(tmp_path)
+    assert losses == {s: float(torch.tensor(v, dtype=torch.float32)) for s, v in values.items()}
+    assert client.tensorboard_losses(tmp_path / "missing") is None
+
+
+def test_loss_differences() -> None:
+    expected = {5: 1.0, 6: 2.0, 7: 3.0}
+    assert client.loss_differences(expected, dict(expected), range(5, 8)) == []
+    assert client.loss_differences(expected, {5: 1.0, 6: 2.5}, range(5, 8)) == [
+        "6: 2.0 != 2.5",
+        "7: 3.0 != None",
+    ]
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def _megatron_lm_tree(root: Path) -> Path:
+    for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py", "README.md"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"# {name}\n")
+    for name in ("megatron/training/training.py", "megatron/core/__init__.py", "megatron/rl/x.py"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"# {name}\n")
+    return root
+
+
+def _assert_client_tree(dest: Path) -> None:
+    assert (dest / "pretrain_gpt.py").is_file() and (
+        dest / "megatron/training/training.py"
+    ).is_file()
+    assert (dest / "megatron/rl/x.py").is_file()
+    assert not (dest / "megatron/core").exists(), "megatron.core must come from the side"
+    assert not (dest / "README.md").exists()
+
+
+def test_client_tree_from_a_git_ref(tmp_path: Path) -> None:
+    repo = _megatron_lm_tree(tmp_path / "Megatron-LM")
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "m")
+    _git(repo, "branch", "core_r0.19.0")
+    origin = client.prepare_client(None, repo / ".git", "core_r0.19.0", tmp_path / "client")
+    assert origin.startswith(f"{repo / '.git'} core_r0.19.0 (")
+    _assert_client_tree(tmp_path / "client")
+    with pytest.raises(subprocess.CalledProcessError):
+        client.prepare_client(None, repo / ".git", "core_r9.9.0", tmp_path / "other")
+
+
+def test_client_tree_from_a_checkout(tmp_path: Path) -> None:
+    repo = _megatron_lm_tree(tmp_path / "Megatron-LM")
+    assert client.prepare_client(repo, None, "unused", tmp_path / "client").startswith("checkout")
+    _assert_client_tree(tmp_path / "client")
+    with pytest.raises(ClientUsageError, match="no pretrain_gpt.py"):
+        client.prepare_client(tmp_path / "client" / "megatron", None, "", tmp_path / "empty")
+
+
+def test_make_shim_skips_only_a_prebuilt_helpers_directory(tmp_path: Path) -> None:
+    bin_dir = client.write_make_shim(tmp_path)
+    prebuilt = tmp_path / "datasets"
+    prebuilt.mkdir()
+    (prebuilt / "helpers_cpp.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+    done = subprocess.run([bin_dir / "make", "-C", prebuilt], capture_output=True, text=True)
+    assert done.returncode == 0 and "prebuilt helpers_cpp" in done.stdout
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "helpers_cpp.so").write_bytes(b"")
+    (source / "Makefile").write_text("all:\n\t@echo built-by-real-make\n")
+    real = subprocess.run([bin_dir / "make", "-C", source], capture_output=True, text=True)
+    if client.shutil.which("make"):
+        assert real.returncode == 0 and "built-by-real-make" in real.stdout
+    else:
+        assert real.returncode != 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert subprocess.run([bin_dir / "make", "-C", empty], capture_output=True).returncode != 0
+
+
+def _save(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+def test_torch_dist_checkpoints_compared_tensor_by_tensor(tmp_path: Path) -> None:
+    state = {
+        "model.weight": torch.randn(8, 4),
+        "optimizer.exp_avg": torch.randn(32),
+        "model.bf16": torch.randn(5).to(torch.bfloat16),
+    }
+    first = _save(tmp_path / "a", state)
+    same = _save(tmp_path / "b", {k: v.clone() for k, v in state.items()})
+    assert client.torch_dist_differences(first, same, batch_bytes=1) == []
+    changed = {k: v.clone() for k, v in state.items()}
+    changed["optimizer.exp_avg"][7] = torch.nextafter(
+        changed["optimizer.exp_avg"][7], torch.tensor(9.0)
+    )
+    changed["extra"] = torch.zeros(1)
+    other = _save(tmp_path / "c", changed)
+    assert client.torch_dist_differences(first, other) == ["extra", "optimizer.exp_avg"]
+
+
+def _document(deterministic: bool) -> dict[str, object]:
+    def phase(peak: int | None, report: float, installed: str | None) -> dict[str, object]:
+        return {
+            "load_peak_over_baseline": peak,
+            "first_memory_report": [6, report],
+            "installed_by": installed,
+            "parameters": 1_000_000_000,
+            "max_allocated_bytes": 30 << 30,
+        }
+
+    return {
+        "megatron_lm": "git core_r0.19.0 (abc)",
+        "plan": {"train_iters": 10, "resume_at": 5, "deterministic": deterministic},
+        "phases": {
+            "uninterrupted": phase(None, 30000.0, None),
+            "resume-upstream": phase(16_000_000_000, 40000.0, None),
+            "resume-build": phase(8_000_000_000, 30000.0, "te_fused_adam_fp32 ×2"),
+        },
+        "loss_differences": {"upstream": [], "build": ["7: 1 != 2"]},
+        "checkpoint_differences": [] if deterministic else None,
+        "notes": ["--mock-data added (no data argument given)"],
+    }
+
+
+def test_markdown_report() -> None:
+    text = client.markdown(_document(True))
+    assert "| upstream | 15,258.8 | 16.00 | 40,000.0 | no | yes | own loader" in text
+    assert "| build | 7,629.4 | 8.00 | 30,000.0 | yes | **no** | te_fused_adam_fp32 ×2 |" in text
+    assert "identical, tensor by tensor" in text and "- --mock-data added" in text
+    assert "Checkpoints saved" not in client.markdown(_document(False))
+
+
+def test_cli_routes_to_the_client_and_refuses_without_cuda(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks.resume_benchmark.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["megatron-lm", "--help"])
+    assert exited.value.code == 0 and "pretrain_gpt.py" in capsys.readouterr().out
+    if torch.cuda.is_available():
+        pytest.skip("the no-CUDA refusal is for machines without a GPU")
+    assert main(["megatron-lm", "--megatron-lm", ".", "--", *USER_ARGS]) == 2
+    assert "cannot run here" in capsys.readouterr().err
+
+
+def test_probe_reports_a_run_without_a_load(tmp_path: Path) -> None:
+    """The probe on the CPU: a script that never loads leaves ``load`` None, its exit code kept."""
+    (tmp_path / "megatron" / "training").mkdir(parents=True)
+    (tmp_path / "megatron" / "training" / "checkpointing.py").write_text(
+        "def load_checkpoint():\n    return 0\n"
+    )
+    (tmp_path / "pretrain_gpt.py").write_text("import sys\nsys.exit(3)\n")
+    code = (
+        "import sys\n"
+        "from benchmarks.resume_benchmark.megatron_lm_probe import main\n"
+        f"sys.exit(main(['--client', {str(tmp_path)!r}, '--result', {str(tmp_path / 'r.json')!r},"
+        " 'pretrain_gpt.py']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr
+    record = json.loads((tmp_path / "r.rank0.json").read_text())
+    assert record["load"] is None and record["exit_code"] == 3
+    assert record["max_allocated_bytes"] == 0  # no CUDA: torch's statistics are empty
