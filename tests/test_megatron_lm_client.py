@@ -34,7 +34,7 @@ def test_base_arguments_add_what_the_runs_need_and_say_so() -> None:
     for added in (
         ["--mock-data"],
         ["--ckpt-format", "torch_dist"],
-        ["--eval-iters", "0"],
+        ["--eval-iters", "0", "--eval-interval", "1000"],
         ["--no-gradient-accumulation-fusion"],
         ["--log-interval", "1", "--tensorboard-log-interval", "1"],
     ):
@@ -264,6 +264,12 @@ def test_markdown_report() -> None:
     assert "| build | 7,629.4 | 8.00 | 30,000.0 | yes | **no** | te_fused_adam_fp32 ×2 |" in text
     assert "identical, tensor by tensor" in text and "- --mock-data added" in text
     assert "Checkpoints saved" not in client.markdown(_document(False))
+    failed = _document(False)
+    del failed["phases"]["resume-build"]  # type: ignore[attr-defined]
+    failed["loss_differences"] = {}
+    text = client.markdown(failed)
+    assert "| build | run failed (see the logs) | n/a" in text
+    assert "| upstream | 15,258.8 | 16.00 | 40,000.0 | no | n/a | own loader" in text
 
 
 def test_cli_routes_to_the_client_and_refuses_without_cuda(

@@ -64,6 +64,8 @@ OWNED_ARGUMENTS: Final = frozenset(
         "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-step", "--deterministic-mode",
     }
 )  # fmt: skip
+#: Megatron-LM divides by ``--eval-interval`` even with ``--eval-iters 0``.
+EVAL_INTERVAL: Final = 1000
 DATA_ARGUMENTS: Final = ("--mock-data", "--data-path", "--train-data-path", "--data-args-path")
 
 _ITERATION_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
@@ -132,9 +134,11 @@ def base_arguments(user_args: Sequence[str], apex_fusion: bool) -> tuple[list[st
     if ckpt_format is None:
         args += ["--ckpt-format", "torch_dist"]
         notes.append("--ckpt-format torch_dist added")
-    if "--eval-iters" not in flags:
-        args += ["--eval-iters", "0"]
-        notes.append("--eval-iters 0 added (evaluation is not measured)")
+    if not flags & {"--eval-iters", "--eval-interval"}:
+        args += ["--eval-iters", "0", "--eval-interval", str(EVAL_INTERVAL)]
+        notes.append(
+            f"--eval-iters 0 --eval-interval {EVAL_INTERVAL} added (evaluation is not measured)"
+        )
     if "--no-gradient-accumulation-fusion" not in flags and not apex_fusion:
         args.append("--no-gradient-accumulation-fusion")
         notes.append(
@@ -397,14 +401,20 @@ def markdown(document: Mapping[str, Any]) -> str:
         peak = record.get("load_peak_over_baseline")
         report = record.get("first_memory_report")
         within = None if not report or not training_peak else report[1] * _MIB <= training_peak
+        differences = document["loss_differences"].get(side)
+        if not record:
+            lines.append(
+                f"| {side} | " + " | ".join(["run failed (see the logs)"] + ["n/a"] * 5) + " |"
+            )
+            continue
         cells = [
             side,
             f"{peak / _MIB:,.1f}" if peak is not None else "n/a",
             f"{peak / params:.2f}" if peak is not None and params else "n/a",
             f"{report[1]:,.1f}" if report else "n/a",
             {None: "n/a", True: "yes", False: "no"}[within],
-            "yes" if not document["loss_differences"].get(side) else "**no**",
-            record.get("installed_by") or "own loader (no outcomes: upstream)",
+            "n/a" if differences is None else "**no**" if differences else "yes",
+            record.get("installed_by") or "own loader (no outcomes recorded)",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     if training_peak:
@@ -513,11 +523,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     after = range(plan.resume_at + 1, plan.train_iters + 1)
     control = records.get("uninterrupted")
     differences = {
-        side: loss_differences(
-            control.losses if control else {}, records[f"resume-{side}"].losses, after
-        )
+        side: loss_differences(control.losses, records[f"resume-{side}"].losses, after)
         for side in RESUME_SIDES
-        if f"resume-{side}" in records
+        if control is not None and control.exit_code == 0 and f"resume-{side}" in records
     }
     document: dict[str, Any] = {
         "megatron_lm": origin,

@@ -43,4 +43,5 @@ python3 -m benchmarks.resume_benchmark megatron-lm --megatron-lm /tmp/megatron-l
   --vocab-size 32000 --transformer-impl transformer_engine --seed 1234 \
   > "$out/mlm-$mode.log" 2>&1
 echo "mlm-$mode exit $?" | tee -a "$out/mlm-$mode.machine.txt"
+tar -czf "$out/mlm-$mode.logs.tgz" -C "/tmp/mlm-$mode" --exclude='*.json' $(cd "/tmp/mlm-$mode" && ls *.log 2>/dev/null)
 tail -40 "$out/mlm-$mode.log"
