@@ -34,8 +34,8 @@ import pytest
 import torch
 from fused_adam_standin import FusedAdamStandIn
 
-from benchmarks.resume_benchmark import checkpoint, gathered, model, runtime, training
-from benchmarks.resume_benchmark.training import StepResult
+from benchmarks.resume_benchmark import checkpoint, fingerprint, model, runtime
+from benchmarks.resume_benchmark.model import StepResult
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -256,12 +256,12 @@ def install_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeWorld:
     """Replace the GPU parts of the worker (see the module docstring); return the fake world."""
     monkeypatch.setattr(model, "build_gpt_and_optimizer", _fake_build)
     monkeypatch.setattr(model, "model_parameter_total", model.model_parameter_count)
-    monkeypatch.setattr(training, "train_step", _fake_step)
+    monkeypatch.setattr(model, "train_step", _fake_step)
     monkeypatch.setattr(checkpoint, "save_checkpoint", _fake_save)
     monkeypatch.setattr(checkpoint, "load_checkpoint", _fake_load)
     monkeypatch.setattr(runtime, "rank_coordinates", _coordinates)
     monkeypatch.setattr(runtime, "shutdown", lambda: None)
-    monkeypatch.setattr(gathered, "gathered_fingerprint", _gathered_fingerprint)
+    monkeypatch.setattr(fingerprint, "gathered_fingerprint", _gathered_fingerprint)
     FAKE_WORLD.run_as(FakeRank(), monkeypatch)
     return FAKE_WORLD
 

@@ -24,7 +24,7 @@ from benchmark_fakes import (
 from benchmark_results import RESULTS, column, document, entry
 from builders import Owner, cloned_state_dict, fresh_standin, numel_bytes, trained_standin
 
-from benchmarks.resume_benchmark.adoption import (
+from benchmarks.resume_benchmark.results import (
     adopters_that_handled,
     fallback_text,
     installed_by_text,

@@ -19,7 +19,7 @@ from benchmark_results import column, control, resume
 from builders import Owner, cloned_state_dict, fresh_standin, state_tensors, trained_standin
 
 from benchmarks.resume_benchmark import cli
-from benchmarks.resume_benchmark.adoption import installed_by_text, recording_outcomes
+from benchmarks.resume_benchmark.results import installed_by_text, recording_outcomes
 from benchmarks.resume_benchmark.cases import BRIDGE_LIKE, PRESETS, make_case
 from benchmarks.resume_benchmark.instance_loader import installed_instance_loaders
 from benchmarks.resume_benchmark.launch import LayoutError, ParallelLayout, validate_layout

@@ -30,14 +30,15 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
 from benchmarks.resume_benchmark.cases import FP32_MOMENT_PAIR_BYTES, PRESETS, make_case
+from benchmarks.resume_benchmark.results import recording_outcomes
 from benchmarks.resume_benchmark.results import one_line, progress, read_json, write_json
+from benchmarks.resume_benchmark.runtime import measured_peak
 
 PATHS: Final[tuple[str, ...]] = ("megatron_fsdp", "float16_wrapper", "fp32_wrapper", "cpu_offload")
 _SEED: Final = 1234
@@ -95,7 +96,10 @@ def _build(path: str, preset: str) -> tuple[list[Any], Any]:
     distributed = path in ("megatron_fsdp", "cpu_offload")
     ddp_kwargs: dict[str, Any] = {}
     if path == "megatron_fsdp":
-        ddp_kwargs = {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"}
+        ddp_kwargs = {
+            "use_megatron_fsdp": True,
+            "data_parallel_sharding_strategy": "optim_grads_params",
+        }
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=distributed,
         overlap_grad_reduce=False,
@@ -184,7 +188,9 @@ def _fsdp_state_dict(model_chunks: list[Any], optimizer: Any, is_loading: bool) 
     metadata = {"distrib_optim_sharding_type": "fsdp_dtensor"}
     state_dict = {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata),
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=metadata
+        ),
     }
     preprocess_state_dict_for_uneven_dtensor(state_dict)
     return state_dict
@@ -219,36 +225,20 @@ def _load(path: str, model_chunks: list[Any], optimizer: Any, directory: Path) -
 
 
 def _step(model_chunks: list[Any], optimizer: Any, preset: str, step: int) -> dict[str, Any]:
-    import torch
-
-    from benchmarks.resume_benchmark.training import train_step
+    from benchmarks.resume_benchmark.model import train_step
 
     case = make_case("dp_reshardable", PRESETS[preset], seed=_SEED)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    result = train_step(model_chunks, optimizer, case, step)
+    with measured_peak() as peak:
+        result = train_step(model_chunks, optimizer, case, step)
     return {
         "loss_hex": float(result.loss).hex(),
         "loss": result.loss,
-        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "peak_bytes": peak.peak_bytes,
     }
-
-
-def _outcome_records() -> tuple[Any, list[dict[str, Any]]]:
-    """A handle (or None without the subsystem) and the list every outcome lands in."""
-    records: list[dict[str, Any]] = []
-    try:
-        from megatron.core.optimizer.state_adoption import register_outcome_hook
-    except ImportError:
-        return None, records
-    return register_outcome_hook(lambda outcome: records.append(outcome.to_json())), records
 
 
 def run_phase(phase: str, path: str, preset: str, directory: Path) -> dict[str, Any]:
     """``train`` (train, save, control step) or ``resume`` (load, measure, next step)."""
-    import torch
-
     model_chunks, optimizer = _build(path, preset)
     out: dict[str, Any] = {
         "path": path,
@@ -257,33 +247,26 @@ def run_phase(phase: str, path: str, preset: str, directory: Path) -> dict[str, 
         "optimizer_elements": _inner_elements(optimizer),
     }
     if phase == "train":
-        torch.cuda.reset_peak_memory_stats()
-        out["losses"] = [_step(model_chunks, optimizer, preset, s) for s in range(1, _TRAIN_STEPS + 1)]
+        out["losses"] = [
+            _step(model_chunks, optimizer, preset, s) for s in range(1, _TRAIN_STEPS + 1)
+        ]
         _save(path, model_chunks, optimizer, directory)
         out["post_save_fingerprint"] = _fingerprint(model_chunks, optimizer)
     else:
-        handle, outcomes = _outcome_records()
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
         rss_baseline = _rss_bytes("VmRSS")
         rss_peak_reset = _reset_rss_peak()
-        started = time.perf_counter()
-        _load(path, model_chunks, optimizer, directory)
-        torch.cuda.synchronize()
+        with measured_peak() as load, recording_outcomes() as outcomes:
+            _load(path, model_chunks, optimizer, directory)
         out["load"] = {
-            "seconds": time.perf_counter() - started,
-            "baseline_bytes": baseline,
-            "peak_bytes": torch.cuda.max_memory_allocated(),
+            "seconds": load.seconds,
+            "baseline_bytes": load.baseline_bytes,
+            "peak_bytes": load.peak_bytes,
             "rss_baseline_bytes": rss_baseline,
             "rss_peak_bytes": _rss_bytes("VmHWM") if rss_peak_reset else None,
         }
         gc.collect()
         out["load"]["rss_after_bytes"] = _rss_bytes("VmRSS")
-        out["outcomes"] = outcomes
-        if handle is not None:
-            handle.remove()
+        out["outcomes"] = outcomes or []
         out["restored_fingerprint"] = _fingerprint(model_chunks, optimizer)
     out["next_step"] = _step(model_chunks, optimizer, preset, _TRAIN_STEPS + 1)
     out["next_step_fingerprint"] = _fingerprint(model_chunks, optimizer)
@@ -335,7 +318,12 @@ def measure_path(
         result = work / path / f"{label}.json"
         progress(f"{path}: {label} ({phase}) with {site}")
         try:
-            _run_side(site, [phase, path, preset, str(directory), str(result)], result.with_suffix(".log"), timeout)
+            _run_side(
+                site,
+                [phase, path, preset, str(directory), str(result)],
+                result.with_suffix(".log"),
+                timeout,
+            )
             phases[label] = read_json(result)
         except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
             phases[label] = {"error": one_line(exc)}
@@ -362,26 +350,38 @@ def summarise(path: str, phases: dict[str, dict[str, Any]]) -> list[dict[str, An
                 "wrapper": "+".join(result["wrapper"]),
                 "inner": "+".join(result["inner"]),
                 "optimizer_elements": elements,
-                "load_over_baseline_b_per_param": (load["peak_bytes"] - load["baseline_bytes"]) / elements,
+                "load_over_baseline_b_per_param": (load["peak_bytes"] - load["baseline_bytes"])
+                / elements,
                 "load_peak_bytes": load["peak_bytes"],
                 "next_step_peak_bytes": result["next_step"]["peak_bytes"],
-                "rss_over_baseline_b_per_param": None
-                if load["rss_peak_bytes"] is None
-                else (load["rss_peak_bytes"] - load["rss_baseline_bytes"]) / elements,
-                "restored_equal": _same(result["restored_fingerprint"], train["post_save_fingerprint"]),
-                "next_step_equal": _same(result["next_step_fingerprint"], train["next_step_fingerprint"])
+                "rss_over_baseline_b_per_param": (
+                    None
+                    if load["rss_peak_bytes"] is None
+                    else (load["rss_peak_bytes"] - load["rss_baseline_bytes"]) / elements
+                ),
+                "restored_equal": _same(
+                    result["restored_fingerprint"], train["post_save_fingerprint"]
+                ),
+                "next_step_equal": _same(
+                    result["next_step_fingerprint"], train["next_step_fingerprint"]
+                )
                 and result["next_step"]["loss_hex"] == train["next_step"]["loss_hex"],
                 "adopters": sorted({o.get("adopter") or "-" for o in result.get("outcomes", [])}),
-                "fallbacks": sorted({o.get("fallback_reason") or "" for o in result.get("outcomes", [])} - {""}),
+                "fallbacks": sorted(
+                    {o.get("fallback_reason") or "" for o in result.get("outcomes", [])} - {""}
+                ),
                 "hook_points": sorted({o.get("hook_point") for o in result.get("outcomes", [])}),
             }
             if side != "upstream" and "next_step_fingerprint" in upstream:
-                row["next_step_equals_upstream"] = _same(
-                    result["next_step_fingerprint"], upstream["next_step_fingerprint"]
-                ) and result["next_step"]["loss_hex"] == upstream["next_step"]["loss_hex"]
+                row["next_step_equals_upstream"] = (
+                    _same(result["next_step_fingerprint"], upstream["next_step_fingerprint"])
+                    and result["next_step"]["loss_hex"] == upstream["next_step"]["loss_hex"]
+                )
             if side != "upstream" and "load" in upstream:
                 up = upstream["load"]
-                saving = (up["peak_bytes"] - up["baseline_bytes"]) - (load["peak_bytes"] - load["baseline_bytes"])
+                saving = (up["peak_bytes"] - up["baseline_bytes"]) - (
+                    load["peak_bytes"] - load["baseline_bytes"]
+                )
                 row["saving_vs_8b"] = saving / (FP32_MOMENT_PAIR_BYTES * elements)
                 if up["rss_peak_bytes"] is not None and load["rss_peak_bytes"] is not None:
                     rss_saving = (up["rss_peak_bytes"] - up["rss_baseline_bytes"]) - (
@@ -410,7 +410,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             continue
         mib = 2**20
         saving = f"{r['saving_vs_8b']:.4f}" if "saving_vs_8b" in r else "-"
-        rss = "-" if r["rss_over_baseline_b_per_param"] is None else f"{r['rss_over_baseline_b_per_param']:.2f} B/param"
+        rss = (
+            "-"
+            if r["rss_over_baseline_b_per_param"] is None
+            else f"{r['rss_over_baseline_b_per_param']:.2f} B/param"
+        )
         if "rss_saving_vs_8b" in r:
             rss += f" (saving {r['rss_saving_vs_8b']:.4f})"
         lines.append(
@@ -432,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
 
         apply_determinism_env()
         return _worker(args_list[1:])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--upstream", type=Path, required=True)
     parser.add_argument("--build", type=Path, required=True)
     parser.add_argument("--paths", default=",".join(PATHS))

@@ -25,9 +25,9 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from benchmarks.resume_benchmark.cases import (
     CASE_NAMES,
@@ -40,13 +40,6 @@ from benchmarks.resume_benchmark.cases import (
 )
 from benchmarks.resume_benchmark.driver import CaseRun, Workspace, run_case, run_phase
 from benchmarks.resume_benchmark.launch import LayoutError, ParallelLayout, validate_layout
-from benchmarks.resume_benchmark.preflight import (
-    EXIT_CANNOT_RUN,
-    cannot_run_message,
-    check_cuda,
-    check_gpu_count,
-    check_transformer_engine,
-)
 from benchmarks.resume_benchmark.report import json_report, markdown_report
 from benchmarks.resume_benchmark.results import eprint, one_line, progress
 from benchmarks.resume_benchmark.sides import (
@@ -66,11 +59,59 @@ EXIT_OK = 0
 EXIT_CRASH = 1
 EXIT_WRONG_SIDES = 3
 EXIT_EXPECTATION_MISSED = 4
+#: Exit status when this machine cannot run the benchmark (no CUDA GPU or no Transformer Engine).
+EXIT_CANNOT_RUN: Final = 2
 
 #: First argument that runs the Megatron-LM client (:mod:`.megatron_lm`) instead.
 CLIENT_COMMAND = "megatron-lm"
 
 _SIZE_FLAGS = tuple(field.name for field in dataclasses.fields(ModelSize))
+
+
+# Preflight: cheap checks that decide, before any download or heavy work, whether the benchmark
+# can run.
+
+_WHY = (
+    "This benchmark measures a GPU memory peak (torch.cuda.max_memory_allocated) while "
+    "Transformer Engine's FusedAdam state is restored on a CUDA GPU, so it cannot run here."
+)
+
+
+def cannot_run_message(missing: str) -> str:
+    """The single message printed before exiting with :data:`EXIT_CANNOT_RUN`."""
+    return f"resume_benchmark: {missing}. {_WHY}"
+
+
+def check_cuda() -> str | None:
+    """``None`` when torch imports and sees a CUDA device, else what is missing."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"PyTorch is not importable ({exc})"
+    if not torch.cuda.is_available():
+        built = torch.version.cuda or "none (CPU-only build)"
+        return f"no CUDA device is available (torch {torch.__version__}, CUDA runtime {built})"
+    return None
+
+
+def check_gpu_count(needed: int) -> str | None:
+    """``None`` when this node has at least ``needed`` CUDA devices, else what is missing."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < needed:
+        return f"{needed} CUDA devices are needed for the requested ranks, {count} are visible"
+    return None
+
+
+def check_transformer_engine(probe: Mapping[str, Any]) -> str | None:
+    """``None`` when the build side's worker could import Transformer Engine, else why not."""
+    te = probe.get("transformer_engine") or {}
+    if te.get("error"):
+        return f"Transformer Engine is not importable for the build side ({te['error']})"
+    if not probe.get("cuda_available", False):
+        return "no CUDA device is available to the worker process"
+    return None
 
 
 def _parse_cases(text: str) -> list[str]:
@@ -345,7 +386,9 @@ def _run_one(run: CaseRun, case: BenchmarkCase) -> dict[str, Any]:
             "status": "error",
             "detail": f"driver: {one_line(exc)}",
         }
-    progress(f"{case.name}: {entry['status']}" + (f" ({entry['detail']})" if entry.get("detail") else ""))
+    progress(
+        f"{case.name}: {entry['status']}" + (f" ({entry['detail']})" if entry.get("detail") else "")
+    )
     return entry
 
 

@@ -218,7 +218,9 @@ def report_failure(outcome: PhaseOutcome, what: str) -> None:
     """Print that ``what`` failed, which ranks left no result, and the log's tail per rank."""
     missing = [str(r) for r, result in enumerate(outcome.results) if result is None]
     failed = [
-        str(r) for r, result in enumerate(outcome.results) if result is not None and "error" in result
+        str(r)
+        for r, result in enumerate(outcome.results)
+        if result is not None and "error" in result
     ]
     progress(
         f"{what} FAILED (exit {outcome.returncode}; ranks without a result: "
@@ -270,7 +272,9 @@ class CaseRun:
     timeout_s: float
 
 
-def _phase(run: CaseRun, label: str, phase: str, name: str, spec: Mapping[str, Any]) -> PhaseOutcome:
+def _phase(
+    run: CaseRun, label: str, phase: str, name: str, spec: Mapping[str, Any]
+) -> PhaseOutcome:
     """One phase of one side on the layout's ranks, with progress and failure reporting."""
     nproc = run.layout.phase_nproc(phase)
     ranks = f"{nproc} rank{'s' if nproc > 1 else ''}"

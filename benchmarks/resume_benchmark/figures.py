@@ -32,7 +32,6 @@ from typing import Any, Final
 
 from benchmarks.resume_benchmark.memory_timeline import (
     SHORT_PHASE_NAMES,
-    SOURCE_SAMPLED,
     iter_levels,
     timeline_problems,
 )
@@ -136,8 +135,6 @@ def render_case_figure(timelines: CaseTimelines, out_path: Path, *, dpi: int = D
         ys = [v / scale for _, v in points]
         peak = int(timeline["peak_bytes_over_baseline"])
         legend = _peak_text(label, peak, params)
-        if timeline.get("source") == SOURCE_SAMPLED:
-            legend += " (sampled)"
         # Earlier sides wider underneath: identical curves (no saving) stay visible as an
         # outline of the first side around the second.
         width = 1.5 + 1.1 * (len(sides) - 1 - index)

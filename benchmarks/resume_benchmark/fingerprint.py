@@ -25,6 +25,7 @@ from megatron.core.distributed import DistributedDataParallel
 
 from benchmarks.resume_benchmark.model import distributed_optimizers
 from megatron.core.optimizer import MegatronOptimizer
+from megatron.core import parallel_state as ps
 
 Digests = dict[str, str]
 
@@ -126,4 +127,68 @@ def fingerprint_state(
     digests = fingerprint_tensors([*model_tensors(model_chunks), *optimizer_tensors(optimizer)])
     for name, record in optimizer_group_records(optimizer):
         digests[name] = hashlib.sha256(record.encode()).hexdigest()
+    return digests
+
+
+# Gathered fingerprints: Fingerprint of the *unsharded* state, comparable across data-parallel sizes.
+
+def _is_expert(param: torch.nn.Parameter) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def model_tensors_by_coordinates(
+    model_chunks: list[DistributedDataParallel],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Model parameters named by model-parallel coordinates (see the module docstring)."""
+    pp = ps.get_pipeline_model_parallel_rank()
+    dense = f"tp{ps.get_tensor_model_parallel_rank()}.pp{pp}"
+    etp, ep = ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank()
+    expert = f"etp{etp}.ep{ep}.pp{pp}"
+    for chunk_index, chunk in enumerate(model_chunks):
+        for name, param in chunk.named_parameters():
+            where = expert if _is_expert(param) else dense
+            yield f"model.{where}.chunk{chunk_index}.{name}", param
+
+
+def _world_tensors(state: dict[Any, Any], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The world tensors of one ``get_parameter_state_dp_zero()`` result, named."""
+    for gbuf_index, per_dtype in state.items():
+        if not isinstance(gbuf_index, int):
+            continue  # "buckets_coalesced"
+        for dtype, world in per_dtype.items():
+            for key in sorted(world):
+                value = world[key]
+                if isinstance(value, torch.Tensor):
+                    yield f"{prefix}.gbuf{gbuf_index}.{dtype}.{key}", value
+
+
+def optimizer_world_digests(optimizer: MegatronOptimizer) -> Digests:
+    """Digests of every DistributedOptimizer's gathered world tensors and param groups.
+
+    Collective over each optimizer's data-parallel group; non-empty only on its DP rank 0.
+    """
+    digests: Digests = {}
+    hparams = dict(optimizer_group_records(optimizer))
+    for index, dist_opt in enumerate(distributed_optimizers(optimizer)):
+        use_gloo = dist_opt.data_parallel_group_gloo is not None
+        state = dist_opt.get_parameter_state_dp_zero(use_gloo_comm=use_gloo)
+        if dist_opt.data_parallel_group.rank() != 0 or state is None:
+            continue
+        prefix = f"opt{index}.mp{dist_opt.data_parallel_group_idx}"
+        digests.update(fingerprint_tensors(_world_tensors(state, prefix)))
+        del state
+        for name, record in hparams.items():
+            if name.startswith(f"opt{index}."):
+                group = name.split(".", 1)[1]
+                digests[f"{prefix}.{group}"] = hashlib.sha256(record.encode()).hexdigest()
+    return digests
+
+
+def gathered_fingerprint(
+    model_chunks: list[DistributedDataParallel], optimizer: MegatronOptimizer
+) -> Digests:
+    """This rank's part of the DP-size-independent fingerprint (collective; see module docs)."""
+    torch.cuda.synchronize()
+    digests = fingerprint_tensors(model_tensors_by_coordinates(model_chunks))
+    digests.update(optimizer_world_digests(optimizer))
     return digests

@@ -45,9 +45,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from benchmarks.resume_benchmark.adoption import installed_by_text
+from benchmarks.resume_benchmark.results import installed_by_text
 from benchmarks.resume_benchmark.driver import PhaseOutcome, Workspace, report_failure, run_phase
-from benchmarks.resume_benchmark.preflight import EXIT_CANNOT_RUN, cannot_run_message, check_cuda
+from benchmarks.resume_benchmark.cli import EXIT_CANNOT_RUN, cannot_run_message, check_cuda
 from benchmarks.resume_benchmark.results import eprint, progress, write_json
 
 SCRIPT: Final = "pretrain_gpt.py"

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import CodeType
 from typing import Any
 
-from benchmarks.resume_benchmark.adoption import recording_outcomes, registered_adopter_names
+from benchmarks.resume_benchmark.results import recording_outcomes, registered_adopter_names
 from benchmarks.resume_benchmark.launch import rank_result_path
 from benchmarks.resume_benchmark.results import write_json
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.resume_benchmark.adoption import adopters_text, installed_by_text, load_outcomes
+from benchmarks.resume_benchmark.results import adopters_text, installed_by_text, load_outcomes
 from benchmarks.resume_benchmark.launch import ParallelLayout
 
 MIB = float(1 << 20)

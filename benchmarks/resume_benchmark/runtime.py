@@ -6,9 +6,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Final
 
 #: Environment every benchmark process needs before CUDA (cuBLAS) and TE are initialised.
@@ -149,3 +154,33 @@ def rank_coordinates() -> dict[str, int]:
         "expert_tp_rank": ps.get_expert_tensor_parallel_rank(),
         "expert_dp_rank": ps.get_expert_data_parallel_rank(),
     }
+
+
+@dataclass
+class Peak:
+    """What :func:`measured_peak` read: allocated bytes before, the peak, the time taken."""
+
+    baseline_bytes: int
+    peak_bytes: int = 0
+    seconds: float = 0.0
+
+
+@contextmanager
+def measured_peak() -> Iterator[Peak]:
+    """Measure the CUDA allocator's peak over the ``with`` block.
+
+    Before: garbage is collected, the device synchronised, the peak counter reset and the
+    baseline read. After (when the block did not raise): synchronised again, the peak and the
+    seconds read into the yielded :class:`Peak`.
+    """
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    peak = Peak(torch.cuda.memory_allocated())
+    started = time.perf_counter()
+    yield peak
+    torch.cuda.synchronize()
+    peak.peak_bytes = torch.cuda.max_memory_allocated()
+    peak.seconds = time.perf_counter() - started

@@ -19,7 +19,7 @@ Pure Python (no torch). One rank is simply N = 1. The entry holds:
 
 Same data-parallel size: rank ``r`` of each resume is compared with rank ``r`` of the control
 (same shards). Another data-parallel size: the restored state is compared through the
-DP-size-independent gathered fingerprint (:mod:`.gathered`), all ranks merged; the next step
+DP-size-independent gathered fingerprint (:func:`.fingerprint.gathered_fingerprint`), all ranks merged; the next step
 cannot match the control (the global batch and the reduction order change with the DP size), so
 the build's step N+1 on rank ``r`` is compared with upstream's step N+1 on rank ``r`` instead.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from benchmarks.resume_benchmark.adoption import adopters_that_handled, load_outcomes
+from benchmarks.resume_benchmark.results import adopters_that_handled, load_outcomes
 from benchmarks.resume_benchmark.cases import (
     BenchmarkCase,
     extra_adopters,

@@ -12,7 +12,7 @@ Every rank (the only one of a plain process, or each rank of a ``torch.distribut
 launch) initialises NCCL and Megatron's parallel state with the spec's ``parallel`` layout,
 measures and fingerprints its own shards and writes ``OUT.rank<r>.json``, recording its parallel
 coordinates and, for a resume at another data-parallel size, the DP-size-independent
-fingerprint of :mod:`.gathered`.
+fingerprint (:func:`.fingerprint.gathered_fingerprint`).
 
 Phases:
 
@@ -22,7 +22,7 @@ Phases:
   ``torch_dist`` checkpoint, fingerprint the state, run step N+1 (the uninterrupted control).
 * ``resume``: build, load the checkpoint (timed; load peak over the pre-load baseline),
   fingerprint the restored state, run step N+1 (training peak, loss, fingerprint). Also records
-  ``state_adoption`` (:mod:`.adoption`): the registered state adopters and the structured
+  ``state_adoption`` (:mod:`.results`): the registered state adopters and the structured
   outcome of every state-adoption hook point during the load, on every rank; with
   ``case.instance_loader``, an instance-level ``load_state_dict`` is set on every inner
   optimizer for the load (:mod:`.instance_loader`) and how often it ran is recorded.
@@ -48,7 +48,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.resume_benchmark.adoption import (
+from benchmarks.resume_benchmark.results import (
     adopters_text,
     fallback_text,
     has_outcome_hooks,
@@ -167,7 +167,6 @@ def _who(case: BenchmarkCase, label: str) -> str:
 def _build(
     case: BenchmarkCase, label: str, layout: ParallelLayout
 ) -> tuple[Any, Any, dict[str, Any]]:
-    import torch  # noqa: F401  (before transformer_engine)
 
     from benchmarks.resume_benchmark.model import (
         build_gpt_and_optimizer,
@@ -199,34 +198,29 @@ def _build(
 
 def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[str, Any]:
     """Run step N+1 with a fresh peak counter; loss, peak and fingerprint after the step."""
-    import torch
-
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state
-    from benchmarks.resume_benchmark.training import train_step
+    from benchmarks.resume_benchmark.model import train_step
 
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    baseline = torch.cuda.memory_allocated()
-    result = train_step(model_chunks, optimizer, case, case.train_steps + 1)
-    peak = torch.cuda.max_memory_allocated()
+    with runtime.measured_peak() as peak:
+        result = train_step(model_chunks, optimizer, case, case.train_steps + 1)
     return {
         **_step_json(result),
-        "baseline_bytes": baseline,
-        "peak_bytes": peak,
+        "baseline_bytes": peak.baseline_bytes,
+        "peak_bytes": peak.peak_bytes,
         "fingerprint": fingerprint_state(model_chunks, optimizer),
     }
 
 
-def _fingerprint(out: dict[str, Any], name: str, layout: ParallelLayout, model_chunks: Any, optimizer: Any) -> None:
+def _fingerprint(
+    out: dict[str, Any], name: str, layout: ParallelLayout, model_chunks: Any, optimizer: Any
+) -> None:
     """Record ``<name>_fingerprint`` and, for a resume at another DP size, the DP-size-independent
-    ``<name>_gathered_fingerprint`` (:mod:`.gathered`; collective)."""
-    from benchmarks.resume_benchmark import gathered
-    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
+    ``<name>_gathered_fingerprint`` (collective)."""
+    from benchmarks.resume_benchmark.fingerprint import fingerprint_state, gathered_fingerprint
 
     out[f"{name}_fingerprint"] = fingerprint_state(model_chunks, optimizer)
     if layout.resharded:
-        out[f"{name}_gathered_fingerprint"] = gathered.gathered_fingerprint(model_chunks, optimizer)
+        out[f"{name}_gathered_fingerprint"] = gathered_fingerprint(model_chunks, optimizer)
 
 
 def run_train(
@@ -236,7 +230,7 @@ def run_train(
     import torch
 
     from benchmarks.resume_benchmark.checkpoint import save_checkpoint
-    from benchmarks.resume_benchmark.training import train_step
+    from benchmarks.resume_benchmark.model import train_step
 
     who = _who(case, label)
     out: dict[str, Any] = {"phase": "train", "case": case.name, "side": label}
@@ -244,20 +238,16 @@ def run_train(
     model_chunks, optimizer, out["model"] = _build(case, label, layout)
     out["rank"] = runtime.rank_coordinates()
 
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    baseline = torch.cuda.memory_allocated()
-    started = time.perf_counter()
-    steps = [
-        _step_json(train_step(model_chunks, optimizer, case, s))
-        for s in range(1, case.train_steps + 1)
-    ]
+    with runtime.measured_peak() as peak:
+        steps = [
+            _step_json(train_step(model_chunks, optimizer, case, s))
+            for s in range(1, case.train_steps + 1)
+        ]
     out["train"] = {
         "steps": steps,
-        "baseline_bytes": baseline,
-        "peak_bytes": torch.cuda.max_memory_allocated(),
-        "seconds": time.perf_counter() - started,
+        "baseline_bytes": peak.baseline_bytes,
+        "peak_bytes": peak.peak_bytes,
+        "seconds": peak.seconds,
     }
     progress(
         f"{who}: trained {case.train_steps} steps "
@@ -266,8 +256,7 @@ def run_train(
     )
 
     progress(
-        f"{who}: saving torch_dist checkpoint ({case.sharding_format}) "
-        f"to {checkpoint_dir}"
+        f"{who}: saving torch_dist checkpoint ({case.sharding_format}) " f"to {checkpoint_dir}"
     )
     started = time.perf_counter()
     try:
@@ -303,10 +292,12 @@ def run_train(
 
 def _start_timeline(baseline: int) -> tuple[Any, dict[str, Any] | None]:
     """A started memory-timeline recorder, or None and the error record (never raises)."""
-    from benchmarks.resume_benchmark.memory_timeline import start_recorder
+    from benchmarks.resume_benchmark.memory_timeline import LoadTimeline
 
     try:
-        return start_recorder(baseline), None
+        recorder = LoadTimeline(baseline)
+        recorder.start()
+        return recorder, None
     except Exception as error:  # noqa: BLE001 - the timeline must never fail the resume
         return None, {"error": f"{type(error).__name__}: {error}"}
 
@@ -339,27 +330,18 @@ def run_resume(
     out["rank"] = runtime.rank_coordinates()
     adopters = registered_adopter_names()  # loads plugin entry points before the measurement
 
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    baseline = torch.cuda.memory_allocated()
-    progress(f"{who}: loading checkpoint (baseline {baseline / 2**20:,.1f} MiB)")
-    recorder, timeline = _start_timeline(baseline)
-    with installed_instance_loaders(case.instance_loader, inner_optimizers(optimizer)) as loaders:
-        started = time.perf_counter()
+    loaders_installed = installed_instance_loaders(
+        case.instance_loader, inner_optimizers(optimizer)
+    )
+    with runtime.measured_peak() as load, loaders_installed as loaders:
+        progress(f"{who}: loading checkpoint (baseline {load.baseline_bytes / 2**20:,.1f} MiB)")
+        recorder, timeline = _start_timeline(load.baseline_bytes)
         with recording_outcomes() as outcomes:
-            load_checkpoint(
-                model_chunks,
-                optimizer,
-                case.sharding_format,
-                checkpoint_dir,
-                on_phase=recorder.mark if recorder is not None else None,
-            )
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-    peak = torch.cuda.max_memory_allocated()
+            on_phase = recorder.mark if recorder is not None else None
+            load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir, on_phase)
     out["memory_timeline"] = _stop_timeline(recorder, timeline)
     gc.collect()
+    baseline, peak, seconds = load.baseline_bytes, load.peak_bytes, load.seconds
     out["load"] = {
         "baseline_bytes": baseline,
         "peak_bytes": peak,

@@ -47,7 +47,7 @@ def step_with_peak(model_chunks: Any, optimizer: Any, case: Any, start: int) -> 
     would miss what the control allocated lazily during its first steps; absolute training
     peaks of fresh processes are compared by the resume benchmark (docs/gpu-report.md).
     """
-    from benchmarks.resume_benchmark.training import train_step
+    from benchmarks.resume_benchmark.model import train_step
 
     free_cuda()
     torch.cuda.reset_peak_memory_stats()
@@ -69,7 +69,7 @@ def train_save_control(case: Any, checkpoint_dir: Path, layout: Any = None) -> D
     """
     from benchmarks.resume_benchmark.checkpoint import save_checkpoint
     from benchmarks.resume_benchmark.model import build_gpt_and_optimizer
-    from benchmarks.resume_benchmark.training import train_step
+    from benchmarks.resume_benchmark.model import train_step
 
     start = allocated_now()
     model_chunks, optimizer = build_gpt_and_optimizer(case, layout)

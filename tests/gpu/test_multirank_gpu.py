@@ -121,12 +121,12 @@ def _outcome_problems(outcomes: Any, params_per_optimizer: List[int]) -> List[st
 def test_every_rank_adopts_and_matches_the_control(world: int, case_name: str, nproc: int, tp: int, ep: int) -> None:
     import torch.distributed as dist
 
-    from benchmarks.resume_benchmark.adoption import recording_outcomes
+    from benchmarks.resume_benchmark.results import recording_outcomes
     from benchmarks.resume_benchmark.cases import PRESETS, make_case
     from benchmarks.resume_benchmark.checkpoint import load_checkpoint
     from benchmarks.resume_benchmark.launch import ParallelLayout
     from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, inner_optimizers
-    from benchmarks.resume_benchmark.training import train_step
+    from benchmarks.resume_benchmark.model import train_step
     from megatron.core import parallel_state
 
     case = make_case(case_name, PRESETS["tiny"])
