@@ -224,14 +224,16 @@ def test_torch_dist_checkpoints_compared_tensor_by_tensor(tmp_path: Path) -> Non
     }
     first = _save(tmp_path / "a", state)
     same = _save(tmp_path / "b", {k: v.clone() for k, v in state.items()})
-    assert client.torch_dist_differences(first, same, batch_bytes=1) == []
+    equal = client.compare_torch_dist(first, same, batch_bytes=1)
+    assert equal.differences == [] and equal.tensors == 3
+    assert equal.bytes == (32 + 32) * 4 + 5 * 2
     changed = {k: v.clone() for k, v in state.items()}
     changed["optimizer.exp_avg"][7] = torch.nextafter(
         changed["optimizer.exp_avg"][7], torch.tensor(9.0)
     )
     changed["extra"] = torch.zeros(1)
     other = _save(tmp_path / "c", changed)
-    assert client.torch_dist_differences(first, other) == ["extra", "optimizer.exp_avg"]
+    assert client.compare_torch_dist(first, other).differences == ["extra", "optimizer.exp_avg"]
 
 
 def _document(deterministic: bool) -> dict[str, object]:
@@ -254,6 +256,7 @@ def _document(deterministic: bool) -> dict[str, object]:
         },
         "loss_differences": {"upstream": [], "build": ["7: 1 != 2"]},
         "checkpoint_differences": [] if deterministic else None,
+        "checkpoint_compared": {"tensors": 300, "bytes": 1 << 30} if deterministic else None,
         "notes": ["--mock-data added (no data argument given)"],
     }
 
@@ -262,7 +265,8 @@ def test_markdown_report() -> None:
     text = client.markdown(_document(True))
     assert "| upstream | 15,258.8 | 16.00 | 40,000.0 | no | yes | own loader" in text
     assert "| build | 7,629.4 | 8.00 | 30,000.0 | yes | **no** | te_fused_adam_fp32 ×2 |" in text
-    assert "identical, tensor by tensor" in text and "- --mock-data added" in text
+    assert "identical, tensor by tensor (300 tensors, 1,024.0 MiB compared)" in text
+    assert "- --mock-data added" in text
     assert "Checkpoints saved" not in client.markdown(_document(False))
     failed = _document(False)
     del failed["phases"]["resume-build"]  # type: ignore[attr-defined]
@@ -304,3 +308,14 @@ def test_probe_reports_a_run_without_a_load(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "r.rank0.json").read_text())
     assert record["load"] is None and record["exit_code"] == 3
     assert record["max_allocated_bytes"] == 0  # no CUDA: torch's statistics are empty
+
+
+@pytest.mark.parametrize("mode", ["default", "deterministic"])
+def test_committed_h200_results_render_unchanged(mode: str) -> None:
+    """docs/gpu-results/session-13-megatron-lm: the report re-renders from its JSON."""
+    results = Path(__file__).resolve().parents[1] / "docs/gpu-results/session-13-megatron-lm"
+    document = json.loads((results / f"mlm-{mode}.json").read_text())
+    assert client.markdown(document) == (results / f"mlm-{mode}.md").read_text()
+    build = document["phases"]["resume-build"]
+    assert build["installed_by"] == "te_fused_adam_fp32 ×2"
+    assert document["loss_differences"] == {"upstream": [], "build": []}

@@ -344,10 +344,22 @@ def loss_differences(
     ]
 
 
-def torch_dist_differences(first: Path, second: Path, batch_bytes: int = 1 << 31) -> list[str]:
-    """Names of the tensors that differ between two ``torch_dist`` checkpoints (bitwise), or
-    that only one holds; read on the CPU with ``torch.distributed.checkpoint``, a batch of at
-    most ``batch_bytes`` at a time. Non-tensor entries are compared by name only."""
+@dataclass
+class CheckpointComparison:
+    """Two ``torch_dist`` checkpoints compared tensor by tensor."""
+
+    differences: list[str]
+    tensors: int = 0
+    bytes: int = 0
+
+
+def compare_torch_dist(
+    first: Path, second: Path, batch_bytes: int = 1 << 31
+) -> CheckpointComparison:
+    """The tensors that differ between two ``torch_dist`` checkpoints (bitwise) or that only one
+    holds, and how many tensors and bytes were compared; read on the CPU with
+    ``torch.distributed.checkpoint``, at most ``batch_bytes`` at a time. Non-tensor entries are
+    compared by name only."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -355,7 +367,7 @@ def torch_dist_differences(first: Path, second: Path, batch_bytes: int = 1 << 31
     metadata = [
         FileSystemReader(str(p)).read_metadata().state_dict_metadata for p in (first, second)
     ]
-    differences = sorted(set(metadata[0]) ^ set(metadata[1]))
+    compared = CheckpointComparison(sorted(set(metadata[0]) ^ set(metadata[1])))
     shared = [
         (key, meta)
         for key, meta in metadata[0].items()
@@ -367,13 +379,18 @@ def torch_dist_differences(first: Path, second: Path, batch_bytes: int = 1 << 31
             key, meta = shared.pop()
             batch.append((key, meta))
             size += meta.size.numel() * meta.properties.dtype.itemsize
+        compared.tensors += len(batch)
+        compared.bytes += size
         tensors = []
         for path in (first, second):
             state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in batch}
             load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
             tensors.append(state)
-        differences += [k for k, _ in batch if not torch.equal(tensors[0][k], tensors[1][k])]
-    return sorted(differences)
+        compared.differences += [
+            k for k, _ in batch if not torch.equal(tensors[0][k], tensors[1][k])
+        ]
+    compared.differences.sort()
+    return compared
 
 
 _MIB = float(1 << 20)
@@ -419,11 +436,15 @@ def markdown(document: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if training_peak:
         lines.append(f"\nUninterrupted run's training peak: {training_peak / _MIB:,.1f} MiB.")
-    saved = document.get("checkpoint_differences")
+    saved, counted = document.get("checkpoint_differences"), document.get("checkpoint_compared")
     if saved is not None:
         verdict = (
             "identical, tensor by tensor" if not saved else f"{len(saved)} differ: {saved[:5]}"
         )
+        if counted:
+            verdict += (
+                f" ({counted['tensors']:,} tensors, {counted['bytes'] / _MIB:,.1f} MiB compared)"
+            )
         lines.append(
             f"Checkpoints saved at iteration {plan['train_iters']} by the two resumes: {verdict}."
         )
@@ -545,7 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             workspace.path(f"saved-resume-{s}") / f"iter_{plan.train_iters:07d}"
             for s in RESUME_SIDES
         ]
-        document["checkpoint_differences"] = torch_dist_differences(*saved)
+        comparison = compare_torch_dist(*saved)
+        document["checkpoint_differences"] = comparison.differences
+        document["checkpoint_compared"] = {"tensors": comparison.tensors, "bytes": comparison.bytes}
     text = markdown(document)
     print(text, flush=True)
     if args.json_out:
