@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything from scratch into a fresh Python >= 3.12 venv and runs the checks:
-#   mypy --strict on the subsystem and the build tools, the Sphinx docs with -W,
+#   mypy --strict on the subsystem, the build tools and the benchmark, the Sphinx docs with -W,
 #   for every supported megatron-core release X: 'pip wheel .' composes X+stateadoption (the
 #   patches apply with --fuzz=0), the routing tests pass against it and FAIL against unpatched
 #   upstream X (negative control),
@@ -29,6 +29,8 @@ python -m pip install -q ./examples/te-precision-aware-adopter
 echo "== mypy --strict"
 python -m mypy megatron/core/optimizer/state_adoption build_tools setup.py examples/te-precision-aware-adopter/src \
   upstream/build_series.py upstream/make_gpu_bundle.py upstream/pytest_outcomes.py
+echo "== mypy --strict: the resume benchmark (Megatron-Core, TE and TensorBoard as Any)"
+python -m mypy --config-file benchmarks/mypy.ini benchmarks/resume_benchmark
 
 echo "== docs: sphinx -W (warnings are errors)"
 python -m sphinx -W --keep-going -q -b html docs "$work/docs-html"

@@ -1,18 +1,15 @@
 """Resume measurements at Megatron-Core's other load call sites (issue #19).
 
-Where a freshly loaded optimizer state meets the inner optimizer's ``load_state_dict`` besides
-the DistributedOptimizer's main branch (measured by the main benchmark):
+Load paths besides the DistributedOptimizer's main branch (measured by the main benchmark):
 
-* ``megatron_fsdp``: Megatron-FSDP (``optim_grads_params``), the ``fsdp_dtensor`` format read
-  with ``torch.distributed.checkpoint``, the DTensor branch of ``DistributedOptimizer``;
-* ``float16_wrapper``: BF16 model without the distributed optimizer
-  (``Float16OptimizerWithFloat16Params``, FP32 main params), ``torch_dist``;
-* ``fp32_wrapper``: FP32 model without the distributed optimizer (``FP32Optimizer``);
-* ``cpu_offload``: the distributed optimizer with ``optimizer_cpu_offload``
-  (``HybridDeviceOptimizer``, state on the host; host RSS is measured too).
+* ``megatron_fsdp``: Megatron-FSDP (``optim_grads_params``), ``fsdp_dtensor`` read with
+  ``torch.distributed.checkpoint``, the DTensor branch of ``DistributedOptimizer``;
+* ``float16_wrapper``: BF16 model, ``Float16OptimizerWithFloat16Params``, ``torch_dist``;
+* ``fp32_wrapper``: FP32 model, ``FP32Optimizer``;
+* ``cpu_offload``: ``optimizer_cpu_offload`` (``HybridDeviceOptimizer``; host RSS measured too).
 
-Every path uses the same GPT (the main benchmark's ``--preset``) and runs in fresh processes:
-train + save + control step with upstream, then a resume with each side. Usage::
+Each path trains, saves and runs a control step with upstream, then resumes with each side, all
+in fresh processes, on the GPT of the main benchmark's ``--preset``. Usage::
 
     python -m benchmarks.resume_benchmark.call_sites --upstream SITE --build SITE \
         [--paths megatron_fsdp,float16_wrapper,fp32_wrapper,cpu_offload] [--preset small] \
@@ -198,9 +195,9 @@ def _fsdp_state_dict(model_chunks: list[Any], optimizer: Any, is_loading: bool) 
 
 def _save(path: str, model_chunks: list[Any], optimizer: Any, directory: Path) -> None:
     if path == "megatron_fsdp":
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import save
 
-        dcp.save(_fsdp_state_dict(model_chunks, optimizer, False), checkpoint_id=str(directory))
+        save(_fsdp_state_dict(model_chunks, optimizer, False), checkpoint_id=str(directory))
         return
     from benchmarks.resume_benchmark.checkpoint import save_checkpoint
 
@@ -209,13 +206,12 @@ def _save(path: str, model_chunks: list[Any], optimizer: Any, directory: Path) -
 
 def _load(path: str, model_chunks: list[Any], optimizer: Any, directory: Path) -> None:
     if path == "megatron_fsdp":
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_loader import load
 
         state_dict = _fsdp_state_dict(model_chunks, optimizer, True)
-        dcp.load(state_dict, checkpoint_id=str(directory))  # in place, model parameters included
-        # As Megatron-LM's load_checkpoint: the model's load_state_dict, whose post-hook
-        # (Megatron-FSDP's install_optimized_model_weights) refreshes the compute weights from
-        # the loaded main weights; torch.distributed.checkpoint.load alone does not run it.
+        load(state_dict, checkpoint_id=str(directory))  # in place, model parameters included
+        # As Megatron-LM does: the model's load_state_dict post-hook refreshes the compute
+        # weights from the loaded main weights, which the load alone does not.
         model_chunks[0].load_state_dict(state_dict["model"], strict=False)
         optimizer.load_state_dict(state_dict["optimizer"])
         return

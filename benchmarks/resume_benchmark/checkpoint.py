@@ -1,10 +1,4 @@
-"""``torch_dist`` checkpoint save and load of model + distributed optimizer.
-
-Mirrors what Megatron-Core's own ``megatron/training/checkpointing.py`` does for one model
-chunk: the model's sharded state dict under ``"model"``, the optimizer's
-``sharded_state_dict(model_sd, is_loading, metadata=...)`` under ``"optimizer"``, then
-``dist_checkpointing.save``/``load`` and ``load_state_dict`` on model and optimizer.
-"""
+"""``torch_dist`` save and load of model + distributed optimizer, as Megatron's training does."""
 
 from __future__ import annotations
 
@@ -54,8 +48,7 @@ def build_sharded_state_dict(
     if len(model_chunks) != 1:
         raise ValueError("the benchmark uses exactly one model chunk")
     metadata = sharded_state_dict_metadata(sharding_format)
-    # Like Megatron's checkpointing: the sharded state dict of the unwrapped GPTModel (no
-    # DDP / Float16Module prefixes); loading goes through the DDP wrapper's load_state_dict.
+    # As Megatron does: the unwrapped GPTModel's keys (no DDP / Float16Module prefixes).
     model_sd = unwrap_model(model_chunks)[0].sharded_state_dict(metadata=metadata)
     optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"model": model_sd, "optimizer": optimizer_sd}
@@ -86,11 +79,8 @@ def load_checkpoint(
 ) -> None:
     """Load model + optimizer from ``checkpoint_dir`` the way Megatron's training loop does.
 
-    Every step of the load happens here -- building the loading sharded state dict (which
-    makes the optimizer allocate its state: load pass 1), ``dist_checkpointing.load``, and
-    ``load_state_dict`` on model and optimizer (pass 2) -- so a caller can time and measure it
-    as one. ``on_phase(label)`` is called as each of these begins (labels from
-    :mod:`.memory_timeline`). Nothing loaded stays referenced after return.
+    The whole load happens here, so it can be measured as one; ``on_phase(label)`` is called as
+    each phase begins (labels from :mod:`.memory_timeline`). Nothing loaded stays referenced.
     """
     mark = on_phase or (lambda label: None)
     mark(PHASE_SCAFFOLD)

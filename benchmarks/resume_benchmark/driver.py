@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from benchmarks.resume_benchmark.cases import BenchmarkCase
 from benchmarks.resume_benchmark.launch import (
@@ -31,7 +31,13 @@ from benchmarks.resume_benchmark.launch import (
     rank_result_path,
     worker_command,
 )
-from benchmarks.resume_benchmark.results import PROGRESS_MARKER, progress, read_json, write_json
+from benchmarks.resume_benchmark.results import (
+    PROGRESS_MARKER,
+    WorkerResult,
+    progress,
+    read_json,
+    write_json,
+)
 from benchmarks.resume_benchmark.sides import Side, worker_environment
 from benchmarks.resume_benchmark.summary import RESUME_SIDES, summarize_case
 
@@ -49,6 +55,7 @@ _FAILURE_TAIL_LINES = 25
 #: with headroom; used to decide whether /dev/shm can hold the checkpoint.
 _CHECKPOINT_BYTES_PER_PARAM = 16
 
+#: A rank's result file as read (a :class:`~.results.WorkerResult` for train/resume).
 Result = dict[str, Any]
 
 
@@ -296,7 +303,7 @@ def run_case(run: CaseRun, case: BenchmarkCase) -> dict[str, Any]:
         "checkpoint_dir": str(holder / "checkpoint"),
         "parallel": run.layout.to_json(),
     }
-    resumed: dict[str, list[Result]] = {}
+    resumed: dict[str, list[WorkerResult | None]] = {}
     try:
         progress(f"{case.name}: checkpoint under {holder}")
         control = _phase(run, "build", "train", f"{case.name}.control", {**spec, "side": "control"})
@@ -305,8 +312,9 @@ def run_case(run: CaseRun, case: BenchmarkCase) -> dict[str, Any]:
             for label in RESUME_SIDES:
                 name = f"{case.name}.resume-{label}"
                 outcome = _phase(run, label, "resume", name, {**spec, "side": label})
-                resumed[label] = outcome.results_or_errors()
-        entry = summarize_case(case, run.layout, list(control.results), resumed)
+                resumed[label] = [cast(WorkerResult, r) for r in outcome.results_or_errors()]
+        controls = [cast(WorkerResult | None, r) for r in control.results]
+        entry = summarize_case(case, run.layout, controls, resumed)
     finally:
         shutil.rmtree(holder, ignore_errors=True)
     entry["logs"] = str(run.workspace.root)

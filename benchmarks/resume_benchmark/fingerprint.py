@@ -1,13 +1,9 @@
-"""Bitwise fingerprints of model parameters and distributed-optimizer state.
+"""Bitwise fingerprints (SHA-256 per named tensor) of model parameters and optimizer state.
 
-Each tensor is hashed with SHA-256 over its dtype, shape and raw bytes (copied to the CPU
-one tensor at a time; no GPU memory is allocated for contiguous tensors). Two fingerprints
-are equal exactly when every tensor is bitwise equal (up to SHA-256 collisions). Names follow
-a fixed order: model parameters by name, then for every DistributedOptimizer (chain order),
-every param group and every parameter in it, the inner parameter (the FP32 main-param shard,
-or the BF16 shard for the precision-aware optimizer) and each state tensor by key
-(``exp_avg``, ``exp_avg_sq``, ``master_param``, ...), plus each group's hyper-parameters
-(including TE's per-group ``step``).
+Each tensor is hashed over its dtype, shape and raw bytes, copied to the CPU one at a time.
+:func:`fingerprint_state` covers this rank's shards; :func:`gathered_fingerprint` names model
+parameters by model-parallel coordinates and hashes the gathered optimizer state, so it is
+comparable across data-parallel sizes.
 """
 
 from __future__ import annotations
@@ -130,8 +126,6 @@ def fingerprint_state(
     return digests
 
 
-# Gathered fingerprints: Fingerprint of the *unsharded* state, comparable across data-parallel sizes.
-
 def _is_expert(param: torch.nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
@@ -163,10 +157,7 @@ def _world_tensors(state: dict[Any, Any], prefix: str) -> Iterator[tuple[str, to
 
 
 def optimizer_world_digests(optimizer: MegatronOptimizer) -> Digests:
-    """Digests of every DistributedOptimizer's gathered world tensors and param groups.
-
-    Collective over each optimizer's data-parallel group; non-empty only on its DP rank 0.
-    """
+    """Digests of each DistributedOptimizer's gathered state and groups (collective; DP rank 0)."""
     digests: Digests = {}
     hparams = dict(optimizer_group_records(optimizer))
     for index, dist_opt in enumerate(distributed_optimizers(optimizer)):

@@ -1,16 +1,10 @@
 """An instance-level ``load_state_dict`` on each inner FusedAdam, as a third-party shim sets one.
 
-Megatron-Bridge 0.6.2 wraps checkpoint loading in a context manager that gives each eligible
-inner Transformer Engine ``FusedAdam`` *instance* its own ``load_state_dict``, which runs only
-``torch.optim.Optimizer.load_state_dict`` (tensors installed by reference, TE's allocate-and-copy
-skipped). ``--instance-loader bridge-like`` emulates that situation with this module's own
-loader: in each resume worker (both sides), before the load, :func:`installed_instance_loaders`
-sets such a method (``types.MethodType`` on the instance) on the inner optimizer of every
-DistributedOptimizer, counts its calls, and removes it after the load.
-
-Upstream calls ``optimizer.load_state_dict(...)``, which finds the instance's method. The build
-must not let an adopter install the state of such an instance (the method is the caller's
-business) and must call it, exactly once per load; its outcomes name that method as what ran.
+Megatron-Bridge 0.6.2 gives each eligible inner TE ``FusedAdam`` instance a ``load_state_dict``
+that runs only ``torch.optim.Optimizer.load_state_dict`` (tensors by reference, TE's
+allocate-and-copy skipped). ``--instance-loader bridge-like`` emulates it: for each resume,
+:func:`installed_instance_loaders` sets such a method, counting its calls, on every inner
+optimizer. The build must call it exactly once per load and not let an adopter install that state.
 """
 
 from __future__ import annotations
@@ -47,11 +41,7 @@ class InstanceLoaders:
 
 
 def eligibility_problem(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why a bridge-like loader must not replace ``optimizer``'s own, or None.
-
-    PyTorch's loader alone is correct only for FP32 moments without TE master weights (the
-    state FusedAdam uses as it is); anything else needs TE's conversion.
-    """
+    """Why ``optimizer`` must keep its own loader (PyTorch's alone would be wrong), or None."""
     dtypes = getattr(optimizer, "name_to_dtype_map", None)
     if not isinstance(dtypes, dict) or getattr(optimizer, "master_weights", None) is not False:
         return f"{type(optimizer).__name__} is not a FusedAdam without master weights"
@@ -79,9 +69,8 @@ def installed_instance_loaders(
 ) -> Iterator[InstanceLoaders | None]:
     """Give every optimizer an instance-level ``load_state_dict`` of ``kind`` for the block.
 
-    ``kind`` None: nothing is installed and None is yielded. Raises ``ValueError`` for an
-    unknown kind or an ineligible optimizer (before installing anything). The methods are
-    removed on exit, also when the block raises.
+    ``kind`` None yields None. Raises ``ValueError`` for an unknown kind or an ineligible
+    optimizer before installing anything; the methods are removed on exit.
     """
     if kind is None:
         yield None

@@ -312,10 +312,10 @@ class PhaseRecord:
 def phase_record(phase: str, side: str, outcome: PhaseOutcome, tensorboard: Path) -> PhaseRecord:
     """Rank 0's probe record and console log of one run, parsed."""
     text = outcome.log.read_text(errors="replace")
-    result = outcome.results[0] or {}
+    result: dict[str, Any] = outcome.results[0] or {}
     exact = tensorboard_losses(tensorboard)
     losses: dict[int, float | str] = dict(exact) if exact else dict(console_losses(text))
-    adoption = result.get("state_adoption") or {}
+    adoption: dict[str, Any] = result.get("state_adoption") or {}
     return PhaseRecord(
         phase=phase,
         side=side,
@@ -361,7 +361,8 @@ def compare_torch_dist(
     ``torch.distributed.checkpoint``, at most ``batch_bytes`` at a time. Non-tensor entries are
     compared by name only."""
     import torch
-    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = [
@@ -374,7 +375,8 @@ def compare_torch_dist(
         if isinstance(meta, TensorStorageMetadata) and key in metadata[1]
     ]
     while shared:
-        batch, size = [], 0
+        batch: list[tuple[str, TensorStorageMetadata]] = []
+        size = 0
         while shared and (not batch or size < batch_bytes):
             key, meta = shared.pop()
             batch.append((key, meta))
@@ -566,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workspace.path(f"saved-resume-{s}") / f"iter_{plan.train_iters:07d}"
             for s in RESUME_SIDES
         ]
-        comparison = compare_torch_dist(*saved)
+        comparison = compare_torch_dist(saved[0], saved[1])
         document["checkpoint_differences"] = comparison.differences
         document["checkpoint_compared"] = {"tensors": comparison.tensors, "bytes": comparison.bytes}
     text = markdown(document)

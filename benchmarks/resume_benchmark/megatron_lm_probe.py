@@ -1,24 +1,19 @@
 """Runs Megatron-LM's ``pretrain_gpt.py`` unchanged in this process and records what it did.
 
-One rank of a ``torch.distributed.run`` launch of the Megatron-LM client
-(:mod:`.megatron_lm`)::
+One rank of a ``torch.distributed.run`` launch of the Megatron-LM client (:mod:`.megatron_lm`)::
 
     python -m benchmarks.resume_benchmark.megatron_lm_probe --client DIR --result R.json \\
         -- pretrain_gpt.py ARGS...
 
-The script runs as ``__main__`` (``runpy``) with the client tree first on ``sys.path`` and
-``megatron.core`` from the side's site. Nothing in Megatron is replaced: the probe only
-*observes*. ``sys.monitoring`` (PEP 669) events of one code object, Megatron-LM's
-``megatron.training.checkpointing.load_checkpoint``, tell when the load begins and returns; the
-allocator's statistics are read at both points without resetting them, so Megatron's own
-"max allocated" report is what it would print anyway. Each rank writes ``R.rank<r>.json``::
+The script runs as ``__main__`` with the client tree first on ``sys.path``; the probe only
+observes. ``sys.monitoring`` events of Megatron-LM's ``load_checkpoint`` mark the load's start
+and return, where the allocator statistics are read without resetting them (so Megatron's own
+"max allocated" report is unchanged). Each rank writes ``R.rank<r>.json``::
 
     {"load": {"baseline_bytes", "peak_before_bytes", "peak_bytes", "end_bytes", "seconds"} | None,
-     "max_allocated_bytes",   # torch.cuda.max_memory_allocated() when the script ended
-     "exit_code", "state_adoption": {"adopters", "outcomes"}}
+     "max_allocated_bytes", "exit_code", "state_adoption": {"adopters", "outcomes"}}
 
-``load.peak_bytes`` is None when the load did not raise the process's peak (then the load's
-own peak is at most ``peak_before_bytes``).
+``load.peak_bytes`` is None when the load did not raise the process's peak.
 """
 
 from __future__ import annotations

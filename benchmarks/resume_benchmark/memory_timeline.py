@@ -1,12 +1,9 @@
 """Allocated CUDA memory over time during one checkpoint load, from torch's allocator trace.
 
-PyTorch records the trace: ``torch.cuda.memory._record_memory_history`` makes the caching
-allocator log every call, and ``torch.cuda.memory._snapshot()`` returns it (the same snapshot
-``torch.cuda.memory._dump_snapshot`` writes for https://pytorch.org/memory_viz). The load's
-phases are ``torch.profiler.record_function`` ranges opened on the recording thread, which the
-snapshot lists as ``external_annotations`` on the trace's own clock. What torch does not give,
-and this module adds, is the level of ``memory_allocated()`` over time as a short JSON series
-for the report's figures::
+``torch.cuda.memory._record_memory_history`` logs every allocator call, ``_snapshot()`` returns
+it, and the load's phases are ``torch.profiler.record_function`` ranges (the snapshot's
+``external_annotations``). This module turns that into the level of ``memory_allocated()`` over
+time, a short JSON series for the report's figures::
 
     recorder = LoadTimeline(baseline_bytes=torch.cuda.memory_allocated())
     recorder.start()
@@ -14,17 +11,15 @@ for the report's figures::
     ...
     timeline = recorder.stop()
 
-The level is the running sum of the blocks the trace's ``alloc``/``free_requested`` entries
-take and return (a request rounded up to the allocator's 512 B, or the whole new segment when a
-large request took one unsplit), relative to the baseline. It is checked, not assumed: the
-result carries the difference to ``max_memory_allocated()`` and ``memory_allocated()``.
+The level is the running sum of the blocks of the trace's ``alloc``/``free_requested`` entries
+over the baseline; ``consistency`` holds its differences to ``max_memory_allocated()`` and
+``memory_allocated()``.
 
 Result: ``{"unit": "bytes", "source", "device", "baseline_bytes", "duration_s", "points":
 [[t_s, bytes_over_baseline], ...], "phases": [{"label", "start_s", "end_s"}],
 "peak_bytes_over_baseline", "peak_t_s", "end_bytes_over_baseline", "dropped_events",
 "phase_clock", "consistency", "points_before_downsampling", "max_points"}``; the points are a
-step function of at most ``max_points`` (per time bucket the minimum, maximum and last level,
-and the global peak always).
+step function of at most ``max_points`` (:func:`downsample`).
 """
 
 from __future__ import annotations
@@ -67,8 +62,7 @@ def block_bytes(requested: int) -> int:
 
 
 def allocation_levels(trace: Iterable[Mapping[str, Any]]) -> list[tuple[int, int]]:
-    """``(time_us, level)`` after every allocator call that changes ``memory_allocated()``,
-    the level relative to the trace's start.
+    """``(time_us, level)`` after every call that changes ``memory_allocated()``, from 0 at start.
 
     Args:
         trace: one device's entries of ``torch.cuda.memory._snapshot()["device_traces"]``.
@@ -112,8 +106,7 @@ def annotation_times(snapshot: Mapping[str, Any], device: int) -> dict[str, list
 
 
 def downsample(points: Sequence[Point], max_points: int = DEFAULT_MAX_POINTS) -> list[Point]:
-    """At most ~``max_points`` of a step function: per time bucket its minimum, maximum and last
-    point, in time order, and always the first global maximum."""
+    """~``max_points`` of a step function: per time bucket its min, max and last, and the peak."""
     if len(points) <= max_points:
         return list(points)
     buckets = max(1, max_points // 3)
@@ -149,9 +142,8 @@ def timeline_from_snapshot(
     Args:
         snapshot: ``torch.cuda.memory._snapshot()`` taken at the end of the load.
         device: the CUDA device index.
-        marks: ``(label, wall-clock µs)`` of the recording start (:data:`RECORDING`) and of
-            every phase; a phase's ``record_function`` start in the snapshot wins over its
-            wall-clock time.
+        marks: ``(label, wall-clock µs)`` of the recording start (:data:`RECORDING`) and each
+            phase; a ``record_function`` start in the snapshot wins over the wall clock.
         baseline_bytes: ``memory_allocated()`` when recording began.
         stopped_us: wall-clock µs at stop.
         max_entries: the trace's ring size (a full ring has dropped older entries).

@@ -1,13 +1,8 @@
-"""Build the benchmark's Megatron-Core GPT model and its distributed optimizer.
+"""The benchmark's Megatron-Core GPT model, its distributed optimizer and its training step.
 
-The model is a real Megatron-Core ``GPTModel`` with the local (non-TE) layer spec, BF16
-parameters (``Float16Module``), wrapped in ``DistributedDataParallel`` with
-``use_distributed_optimizer=True``. The optimizer comes from ``get_megatron_optimizer``; with
-Transformer Engine installed its inner optimizer is TE's ``FusedAdam``.
-
-GPU tests may use :func:`build_gpt_and_optimizer` directly; it initialises NCCL and Megatron's
-parallel state on first use (one rank, or this rank of a ``torch.distributed.run`` launch; see
-:mod:`.runtime`).
+A ``GPTModel`` (local layer spec, BF16 ``Float16Module``) in ``DistributedDataParallel`` with the
+distributed optimizer of ``get_megatron_optimizer`` (inner optimizer: TE's ``FusedAdam``).
+:func:`build_gpt_and_optimizer` initialises NCCL and the parallel state on first use.
 """
 
 from __future__ import annotations
@@ -45,8 +40,7 @@ CLIP_GRAD = 1.0
 
 
 def transformer_config(case: BenchmarkCase, layout: ParallelLayout) -> TransformerConfig:
-    """The GPT's ``TransformerConfig``: BF16, dropout 0, deterministic, the layout's TP and EP
-    sizes, optional MoE."""
+    """The GPT's ``TransformerConfig``: BF16, no dropout, deterministic, the layout's TP/EP."""
     size = case.size
     extra_kwargs: dict[str, object] = {
         "tensor_model_parallel_size": layout.tensor_model_parallel_size,
@@ -60,9 +54,8 @@ def transformer_config(case: BenchmarkCase, layout: ParallelLayout) -> Transform
             "moe_token_dispatcher_type": "allgather",
             "moe_grouped_gemm": False,
             "moe_aux_loss_coeff": 0.0,
-            # Megatron-Core 0.19.2's local-spec SequentialMLP experts with biases fail in
-            # backward (mlp.py adds the expert bias in place to a custom-Function view), so
-            # the MoE model has no linear biases.
+            # MCore 0.19.2's local-spec SequentialMLP experts with biases fail in backward
+            # (in-place bias add to a custom-Function view), so the MoE model has no biases.
             "add_bias_linear": False,
         }
     return TransformerConfig(
@@ -123,13 +116,9 @@ def optimizer_config(case: BenchmarkCase) -> OptimizerConfig:
 def tag_expert_parameters(model: torch.nn.Module) -> int:
     """Mark every MoE expert parameter as expert-parallel (``allreduce = False``); return the count.
 
-    Megatron-Core sets this tag itself only when experts are sharded (expert-model-parallel
-    size > 1, or an expert TP size other than TP). On one rank that never holds, so experts
-    would fold into the dense buffers and the dense DistributedOptimizer. With the tag --
-    exactly what an expert-parallel run carries, with expert-data-parallel groups of size 1 --
-    ``DistributedDataParallel`` puts experts in its expert-parallel buffers and
-    ``get_megatron_optimizer`` returns a ChainedOptimizer of a dense and an expert
-    DistributedOptimizer, the structure the ``moe`` case measures. Call before wrapping in DDP.
+    Megatron-Core tags experts only when they are sharded, never on one rank; with the tag, as in
+    an expert-parallel run, the optimizer chains a dense and an expert DistributedOptimizer.
+    Call before wrapping in DDP.
     """
     count = 0
     for module in model.modules():
@@ -146,12 +135,10 @@ def build_gpt_and_optimizer(
 ) -> tuple[list[DistributedDataParallel], MegatronOptimizer]:
     """Build the case's GPT model chunks (one, DDP-wrapped) and its Megatron optimizer.
 
-    Initialises NCCL and Megatron's parallel state with the layout's TP and EP sizes if needed
-    (``None``: one rank, TP = EP = 1), then re-seeds every RNG with ``case.seed`` so that each
-    process builds bit-identical initial weights. For ``case.moe`` the optimizer is a
-    ``ChainedOptimizer`` of a dense and an expert ``DistributedOptimizer`` (see
-    :func:`tag_expert_parameters`; ``case.moe_fold_experts`` keeps Megatron's one-rank default
-    of a single DistributedOptimizer instead).
+    Initialises the rank with the layout (``None``: one rank) if needed and re-seeds every RNG
+    with ``case.seed``, so every process builds bit-identical weights. For ``case.moe`` experts
+    get their own DistributedOptimizer (:func:`tag_expert_parameters`) unless
+    ``case.moe_fold_experts``.
     """
     layout = layout or ParallelLayout()
     initialize_rank(case.seed, layout.tensor_model_parallel_size, layout.expert_model_parallel_size)
@@ -214,12 +201,7 @@ def model_parameter_count(model_chunks: list[DistributedDataParallel]) -> int:
 
 
 def _counts_toward_total(param: torch.nn.Parameter) -> bool:
-    """Whether this rank counts ``param`` in the model total: one replica of every shard.
-
-    Expert parameters (``allreduce = False``) are replicated over the expert data-parallel
-    group, dense ones over the data-parallel group; tensor-parallel shards
-    (``tensor_model_parallel``) are distinct on every TP rank, the rest is replicated over TP.
-    """
+    """Whether this rank counts ``param`` in the model total (one replica of every shard)."""
     expert = not getattr(param, "allreduce", True)
     if expert:
         dp_rank = parallel_state.get_expert_data_parallel_rank()
@@ -244,8 +226,6 @@ def inner_optimizer_class_names(optimizer: MegatronOptimizer) -> list[str]:
     """Qualified class names of the inner optimizers (expect TE's ``FusedAdam``)."""
     return [f"{type(o).__module__}.{type(o).__qualname__}" for o in inner_optimizers(optimizer)]
 
-
-# Training: Deterministic synthetic batches and one Megatron training step.
 
 #: Mixes the case seed into the per-step batch seed; the batch depends on (seed, step) only.
 _STEP_SEED_STRIDE = 1_000_003
@@ -273,10 +253,7 @@ class StepResult:
 
 
 def synthetic_batch(case: BenchmarkCase, step: int, dp_rank: int = 0) -> Batch:
-    """The batch for 1-based ``step``: random tokens from a generator seeded by (seed, step).
-
-    Each data-parallel rank ``dp_rank`` gets its own batch; tensor-parallel peers share it.
-    """
+    """The batch of 1-based ``step`` on ``dp_rank``: random tokens seeded by (seed, step, rank)."""
     size = case.size
     seed = case.seed * _STEP_SEED_STRIDE + step + dp_rank * _DP_RANK_SEED_STRIDE
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -298,10 +275,7 @@ def train_step(
     case: BenchmarkCase,
     step: int,
 ) -> StepResult:
-    """Forward, backward, gradient finalisation and optimizer step on ``synthetic_batch(step)``.
-
-    The reported loss is the mean token loss computed before the update.
-    """
+    """One training step on ``synthetic_batch(step)``; the loss is from before the update."""
     model = model_chunks[0]
     batch = synthetic_batch(case, step, parallel_state.get_data_parallel_rank())
     model.zero_grad_buffer()

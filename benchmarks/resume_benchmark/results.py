@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 #: Prefix of the progress lines workers print; the driver echoes these lines to its stdout.
 PROGRESS_MARKER = "[resume-benchmark]"
@@ -45,6 +45,90 @@ def one_line(exc: BaseException) -> str:
     """``ExceptionType: message`` on a single line (for tables and JSON)."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+#: SHA-256 digest per tensor or record name (see :mod:`.fingerprint`).
+Digests = dict[str, str]
+
+
+class StepRecord(TypedDict, total=False):
+    """One training step: loss (and its exact ``float.hex``); step N+1 also its memory and state."""
+
+    step: int
+    loss: float
+    loss_hex: str
+    grad_norm: float | None
+    update_successful: bool
+    baseline_bytes: int
+    peak_bytes: int
+    fingerprint: Digests
+
+
+class ModelRecord(TypedDict):
+    """The model and optimizer a worker built, counted on its rank."""
+
+    total_params: int
+    model_params_on_rank: int
+    optimizer_params: int
+    inner_optimizers: list[str]
+    build_seconds: float
+
+
+class TrainRecord(TypedDict):
+    """The training steps before the save."""
+
+    steps: list[StepRecord]
+    baseline_bytes: int
+    peak_bytes: int
+    seconds: float
+
+
+class SaveRecord(TypedDict, total=False):
+    """The ``torch_dist`` save (``ok`` False: the format cannot be saved, ``error`` says why)."""
+
+    ok: bool
+    error: str | None
+    seconds: float
+    checkpoint_bytes: int
+
+
+class LoadRecord(TypedDict):
+    """The load: allocated bytes before, the peak, after, and its duration."""
+
+    baseline_bytes: int
+    peak_bytes: int
+    post_load_allocated_bytes: int
+    seconds: float
+
+
+class StateAdoptionRecord(TypedDict):
+    """The registered adopters and every hook-point outcome (None: no subsystem or hooks)."""
+
+    adopters: list[str] | None
+    outcomes: list[dict[str, Any]] | None
+
+
+class WorkerResult(TypedDict, total=False):
+    """One rank's result file of a ``train`` or ``resume`` phase (``error``: the phase failed)."""
+
+    phase: str
+    case: str
+    side: str
+    error: str
+    megatron_core: dict[str, Any]
+    model: ModelRecord
+    rank: dict[str, int]
+    train: TrainRecord
+    save: SaveRecord
+    next_step: StepRecord
+    load: LoadRecord
+    memory_timeline: dict[str, Any]
+    state_adoption: StateAdoptionRecord
+    instance_loader: dict[str, Any]
+    post_save_fingerprint: Digests
+    post_save_gathered_fingerprint: Digests
+    restored_fingerprint: Digests
+    restored_gathered_fingerprint: Digests
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,4 @@
-"""Process setup: determinism, ``torch.distributed`` (NCCL), Megatron parallel state.
-
-:func:`initialize_rank` serves a plain one-rank process and every rank of a
-``torch.distributed.run`` launch alike.
-"""
+"""Process setup: determinism, ``torch.distributed`` (NCCL), Megatron parallel state."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ DETERMINISM_ENV: Final[dict[str, str]] = {
 }
 
 
-#: Variables ``torch.distributed.run`` sets for its ranks. The driver removes them from every
-#: worker's environment, so a plain worker process is a one-rank world even when the driver
-#: itself runs under a launcher; ``torch.distributed.run`` sets them anew for its own ranks.
+#: Variables ``torch.distributed.run`` sets; the driver removes them from every worker's
+#: environment, so a plain worker is a one-rank world even when the driver runs under a launcher.
 LAUNCHER_ENV_VARS: Final[tuple[str, ...]] = (
     "RANK",
     "WORLD_SIZE",
@@ -69,11 +64,7 @@ def seed_everything(seed: int) -> None:
 
 
 def launched_rank() -> tuple[int, int, int]:
-    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` from ``torch.distributed.run``; ``(0, 1, 0)`` without it.
-
-    A plain ``python -m ...worker`` process (one rank) has none of these variables: the driver
-    removes them from every worker's environment (:func:`.sides.worker_environment`).
-    """
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` under ``torch.distributed.run``, else ``(0, 1, 0)``."""
     if "RANK" not in os.environ:
         return 0, 1, 0
     try:
@@ -92,13 +83,7 @@ def launched_rank() -> tuple[int, int, int]:
 def initialize_rank(
     seed: int, tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1
 ) -> None:
-    """Initialise this rank: determinism, its GPU, NCCL and Megatron's parallel state.
-
-    Under ``torch.distributed.run`` the process group comes from the launcher's environment
-    (``env://``); a plain process is a one-rank world on a free local TCP port. Deterministic
-    algorithms make an uninterrupted run and a resumed run produce bitwise-identical steps.
-    Idempotent; requires CUDA.
-    """
+    """Initialise this rank (idempotent; needs CUDA): determinism, GPU, NCCL, parallel state."""
     apply_determinism_env()
     import torch
     import torch.distributed as dist
@@ -167,12 +152,7 @@ class Peak:
 
 @contextmanager
 def measured_peak() -> Iterator[Peak]:
-    """Measure the CUDA allocator's peak over the ``with`` block.
-
-    Before: garbage is collected, the device synchronised, the peak counter reset and the
-    baseline read. After (when the block did not raise): synchronised again, the peak and the
-    seconds read into the yielded :class:`Peak`.
-    """
+    """Measure the CUDA allocator's baseline, peak and seconds over the ``with`` block."""
     import torch
 
     gc.collect()

@@ -36,7 +36,7 @@ from benchmarks.resume_benchmark.cases import (
     unpredicted_saving_note,
 )
 from benchmarks.resume_benchmark.launch import ParallelLayout
-from benchmarks.resume_benchmark.results import compare_digests, merge_rank_digests
+from benchmarks.resume_benchmark.results import WorkerResult, compare_digests, merge_rank_digests
 
 #: Sides measured on resume, in report order.
 RESUME_SIDES = ("upstream", "build")
@@ -47,7 +47,7 @@ AVOIDED_ABSOLUTE_TOLERANCE = 1 << 20
 
 _MIB = float(1 << 20)
 
-Result = Mapping[str, Any]
+Result = WorkerResult
 
 
 def case_header(case: BenchmarkCase, layout: ParallelLayout) -> dict[str, Any]:
@@ -106,9 +106,13 @@ def resume_measurements(result: Result) -> dict[str, Any]:
     load = result["load"]
     params = int(result["model"]["optimizer_params"])
     over = load["peak_bytes"] - load["baseline_bytes"]
-    recorded = {
-        k: result[k] for k in ("state_adoption", "instance_loader", "memory_timeline") if k in result
-    }
+    recorded: dict[str, Any] = {}
+    if "state_adoption" in result:
+        recorded["state_adoption"] = result["state_adoption"]
+    if "instance_loader" in result:
+        recorded["instance_loader"] = result["instance_loader"]
+    if "memory_timeline" in result:
+        recorded["memory_timeline"] = result["memory_timeline"]
     return {
         "megatron_core": result["megatron_core"],
         "params_on_rank": params,

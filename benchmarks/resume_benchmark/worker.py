@@ -1,35 +1,25 @@
-"""One benchmark phase in one fresh process.
+"""One benchmark phase in one fresh process (``PYTHONPATH`` selects the ``megatron-core``).
 
-Usage (the driver runs this; PYTHONPATH selects which ``megatron-core`` is imported)::
+Usage::
 
-    python -m benchmarks.resume_benchmark.worker --phase probe  --result OUT.json
-    python -m benchmarks.resume_benchmark.worker --phase train  --spec SPEC.json --result OUT.json
-    python -m benchmarks.resume_benchmark.worker --phase resume --spec SPEC.json --result OUT.json
+    python -m benchmarks.resume_benchmark.worker --phase probe --result R.json
+    python -m benchmarks.resume_benchmark.worker --phase train|resume --spec S.json --result R.json
     python -m torch.distributed.run --standalone --nproc-per-node N \
-        -m benchmarks.resume_benchmark.worker --phase resume --spec SPEC.json --result OUT.json
+        -m benchmarks.resume_benchmark.worker --phase resume --spec S.json --result R.json
 
-Every rank (the only one of a plain process, or each rank of a ``torch.distributed.run``
-launch) initialises NCCL and Megatron's parallel state with the spec's ``parallel`` layout,
-measures and fingerprints its own shards and writes ``OUT.rank<r>.json``, recording its parallel
-coordinates and, for a resume at another data-parallel size, the DP-size-independent
-fingerprint (:func:`.fingerprint.gathered_fingerprint`).
+Every rank sets up NCCL and Megatron's parallel state with the spec's ``parallel`` layout and
+writes ``R.rank<r>.json``: its coordinates, measurements and fingerprints (when resharded, also
+the DP-size-independent :func:`.fingerprint.gathered_fingerprint`).
 
-Phases:
+* ``probe``: Python, torch, CUDA, GPU, driver, Transformer Engine and ``megatron-core`` versions.
+* ``train``: build, train ``case.train_steps`` steps, save a ``torch_dist`` checkpoint,
+  fingerprint, run step N+1 (the uninterrupted control).
+* ``resume``: build, load the checkpoint (timed; peak over the pre-load baseline), fingerprint,
+  run step N+1. Also records ``state_adoption`` (adopters and hook-point outcomes) and, with
+  ``case.instance_loader``, the calls of the instance-level loaders (:mod:`.instance_loader`).
 
-* ``probe``: report Python, torch, CUDA, GPU, driver, Transformer Engine and the imported
-  ``megatron-core`` (version, file, whether it has the state-adoption subsystem).
-* ``train`` (train+save+control): build, train ``case.train_steps`` steps (training peak), save a
-  ``torch_dist`` checkpoint, fingerprint the state, run step N+1 (the uninterrupted control).
-* ``resume``: build, load the checkpoint (timed; load peak over the pre-load baseline),
-  fingerprint the restored state, run step N+1 (training peak, loss, fingerprint). Also records
-  ``state_adoption`` (:mod:`.results`): the registered state adopters and the structured
-  outcome of every state-adoption hook point during the load, on every rank; with
-  ``case.instance_loader``, an instance-level ``load_state_dict`` is set on every inner
-  optimizer for the load (:mod:`.instance_loader`) and how often it ran is recorded.
-
-Each rank writes one JSON result file. Exit status: 0 when the phase ran (a checkpoint format
-that cannot be saved is a result, not a failure), 1 when it failed (the result file then holds
-``"error"``).
+Exit status: 0 when the phase ran (an unsaveable checkpoint format is a result), 1 when it
+failed (the result file then holds ``"error"``).
 """
 
 from __future__ import annotations
@@ -167,7 +157,6 @@ def _who(case: BenchmarkCase, label: str) -> str:
 def _build(
     case: BenchmarkCase, label: str, layout: ParallelLayout
 ) -> tuple[Any, Any, dict[str, Any]]:
-
     from benchmarks.resume_benchmark.model import (
         build_gpt_and_optimizer,
         inner_optimizer_class_names,
@@ -214,8 +203,7 @@ def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[s
 def _fingerprint(
     out: dict[str, Any], name: str, layout: ParallelLayout, model_chunks: Any, optimizer: Any
 ) -> None:
-    """Record ``<name>_fingerprint`` and, for a resume at another DP size, the DP-size-independent
-    ``<name>_gathered_fingerprint`` (collective)."""
+    """Record ``<name>_fingerprint`` and, if resharded, ``<name>_gathered_fingerprint``."""
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state, gathered_fingerprint
 
     out[f"{name}_fingerprint"] = fingerprint_state(model_chunks, optimizer)
