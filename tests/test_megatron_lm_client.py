@@ -319,3 +319,40 @@ def test_committed_h200_results_render_unchanged(mode: str) -> None:
     build = document["phases"]["resume-build"]
     assert build["installed_by"] == "te_fused_adam_fp32 ×2"
     assert document["loss_differences"] == {"upstream": [], "build": []}
+
+
+def test_phase_record_takes_the_highest_rank_and_the_exact_losses(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from benchmarks.resume_benchmark.driver import PhaseOutcome
+
+    log = tmp_path / "resume-build.log"
+    log.write_text(CONSOLE)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    writer.add_scalar("lm loss", torch.tensor(10.25), 6)
+    writer.close()
+
+    def rank(baseline: int, peak: int | None, adopter: str) -> dict[str, object]:
+        outcome = {"hook_point": "load", "adopter": adopter}
+        return {
+            "load": {"baseline_bytes": baseline, "peak_bytes": peak, "peak_before_bytes": 0},
+            "max_allocated_bytes": baseline + (peak or 0),
+            "state_adoption": {"adopters": [adopter], "outcomes": [outcome]},
+        }
+
+    results = (rank(100, 900, "a"), rank(100, 1300, "b"), rank(100, None, "c"), None)
+    outcome = PhaseOutcome(0, results, log, 12.34)
+    record = client.phase_record("resume-build", "build", outcome, tmp_path / "tb")
+    assert record.rank_load_peaks == [800, 1200, None, None]
+    assert record.peak_rank == 1 and record.load_peak_over_baseline == 1200
+    assert record.installed_by == "b ×1" and record.max_allocated_bytes == 1400
+    assert record.losses == {6: 10.25} and record.loss_source == "tensorboard"
+    assert record.first_memory_report == (5, 30720.5) and record.parameters == 1073745920
+    console = client.phase_record("uninterrupted", "build", outcome, tmp_path / "none")
+    assert console.loss_source == "console" and console.losses[5] == "1.034567E+01"
+    assert console.installed_by is None
+    document = _document(False)
+    document["phases"]["resume-build"]["rank_load_peaks"] = [800, 1200]  # type: ignore[index]
+    assert "build: load peak over pre-load per rank, MiB: 0.0, 0.0 (the table: the highest)." in (
+        client.markdown(document)
+    )

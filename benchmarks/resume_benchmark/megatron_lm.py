@@ -284,7 +284,8 @@ def tensorboard_losses(directory: Path) -> dict[int, float] | None:
 
 @dataclass
 class PhaseRecord:
-    """What one run of ``pretrain_gpt.py`` measured (rank 0; every rank's file is kept)."""
+    """What one run of ``pretrain_gpt.py`` measured: the probe record of the rank whose load
+    rose highest over its baseline (``peak_rank``), every rank's rise, and rank 0's console."""
 
     phase: str
     side: str
@@ -299,20 +300,30 @@ class PhaseRecord:
     parameters: int | None = None
     installed_by: str | None = None
     outcomes: list[dict[str, Any]] | None = None
+    peak_rank: int = 0
+    rank_load_peaks: list[int | None] = field(default_factory=list)
 
     @property
     def load_peak_over_baseline(self) -> int | None:
         """The allocator peak inside ``load_checkpoint`` over its starting level."""
-        load = self.load or {}
-        if load.get("peak_bytes") is None:
-            return None
-        return int(load["peak_bytes"]) - int(load["baseline_bytes"])
+        return load_rise(self.load)
+
+
+def load_rise(load: Mapping[str, Any] | None) -> int | None:
+    """A probe's load peak over the level the load began at (None: no load, or no new peak)."""
+    if not load or load.get("peak_bytes") is None:
+        return None
+    return int(load["peak_bytes"]) - int(load["baseline_bytes"])
 
 
 def phase_record(phase: str, side: str, outcome: PhaseOutcome, tensorboard: Path) -> PhaseRecord:
-    """Rank 0's probe record and console log of one run, parsed."""
+    """Every rank's probe record and the console log of one run, parsed."""
     text = outcome.log.read_text(errors="replace")
-    result: dict[str, Any] = outcome.results[0] or {}
+    ranks: list[dict[str, Any]] = [r or {} for r in outcome.results] or [{}]
+    rises = [load_rise(r.get("load")) for r in ranks]
+    peak_rank = max(range(len(ranks)), key=lambda r: (rises[r] or -1, -r))
+    result = ranks[peak_rank]
+    peaks = [int(r["max_allocated_bytes"]) for r in ranks if r.get("max_allocated_bytes")]
     exact = tensorboard_losses(tensorboard)
     losses: dict[int, float | str] = dict(exact) if exact else dict(console_losses(text))
     adoption: dict[str, Any] = result.get("state_adoption") or {}
@@ -323,13 +334,15 @@ def phase_record(phase: str, side: str, outcome: PhaseOutcome, tensorboard: Path
         seconds=round(outcome.seconds, 1),
         log=str(outcome.log),
         load=result.get("load"),
-        max_allocated_bytes=result.get("max_allocated_bytes"),
+        max_allocated_bytes=max(peaks) if peaks else None,
         first_memory_report=first_memory_report(text),
         losses=losses,
         loss_source="tensorboard" if exact else "console",
         parameters=parameter_count(text),
         installed_by=installed_by_text(adoption) if phase.startswith("resume-") else None,
         outcomes=adoption.get("outcomes"),
+        peak_rank=peak_rank,
+        rank_load_peaks=rises,
     )
 
 
@@ -438,6 +451,13 @@ def markdown(document: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if training_peak:
         lines.append(f"\nUninterrupted run's training peak: {training_peak / _MIB:,.1f} MiB.")
+    for side in RESUME_SIDES:
+        rises = (records.get(f"resume-{side}") or {}).get("rank_load_peaks") or []
+        if len(rises) > 1:
+            shown = ", ".join("n/a" if r is None else f"{r / _MIB:,.1f}" for r in rises)
+            lines.append(
+                f"{side}: load peak over pre-load per rank, MiB: {shown} (the table: the highest)."
+            )
     saved, counted = document.get("checkpoint_differences"), document.get("checkpoint_compared")
     if saved is not None:
         verdict = (
