@@ -39,16 +39,23 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.resume_benchmark.results import (
+    Digests,
+    ModelRecord,
+    StepRecord,
+    WorkerResult,
     adopters_text,
     fallback_text,
     has_outcome_hooks,
     installed_by_text,
+    one_line,
+    progress,
+    read_json,
     recording_outcomes,
     registered_adopter_names,
+    write_json,
 )
 from benchmarks.resume_benchmark.cases import BenchmarkCase
 from benchmarks.resume_benchmark.launch import ParallelLayout, rank_result_path
-from benchmarks.resume_benchmark.results import one_line, progress, read_json, write_json
 from benchmarks.resume_benchmark import runtime
 from benchmarks.resume_benchmark.runtime import apply_determinism_env, launched_rank
 
@@ -138,7 +145,7 @@ def _directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _step_json(result: Any) -> dict[str, Any]:
+def _step_json(result: Any) -> StepRecord:
     return {
         "step": result.step,
         "loss": result.loss,
@@ -156,7 +163,7 @@ def _who(case: BenchmarkCase, label: str) -> str:
 
 def _build(
     case: BenchmarkCase, label: str, layout: ParallelLayout
-) -> tuple[Any, Any, dict[str, Any]]:
+) -> tuple[Any, Any, ModelRecord]:
     from benchmarks.resume_benchmark.model import (
         build_gpt_and_optimizer,
         inner_optimizer_class_names,
@@ -168,7 +175,7 @@ def _build(
     who = _who(case, label)
     started = time.perf_counter()
     model_chunks, optimizer = build_gpt_and_optimizer(case, layout)
-    info: dict[str, Any] = {
+    info: ModelRecord = {
         "total_params": model_parameter_total(model_chunks),
         "model_params_on_rank": model_parameter_count(model_chunks),
         "optimizer_params": optimizer_parameter_count(optimizer),
@@ -185,7 +192,7 @@ def _build(
     return model_chunks, optimizer, info
 
 
-def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[str, Any]:
+def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> StepRecord:
     """Run step N+1 with a fresh peak counter; loss, peak and fingerprint after the step."""
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state
     from benchmarks.resume_benchmark.model import train_step
@@ -200,20 +207,30 @@ def _next_step(case: BenchmarkCase, model_chunks: Any, optimizer: Any) -> dict[s
     }
 
 
-def _fingerprint(
-    out: dict[str, Any], name: str, layout: ParallelLayout, model_chunks: Any, optimizer: Any
-) -> None:
-    """Record ``<name>_fingerprint`` and, if resharded, ``<name>_gathered_fingerprint``."""
+def _fingerprints(
+    layout: ParallelLayout, model_chunks: Any, optimizer: Any
+) -> tuple[Digests, Digests | None]:
+    """This rank's fingerprint and, if resharded, the gathered one (collective)."""
     from benchmarks.resume_benchmark.fingerprint import fingerprint_state, gathered_fingerprint
 
-    out[f"{name}_fingerprint"] = fingerprint_state(model_chunks, optimizer)
-    if layout.resharded:
-        out[f"{name}_gathered_fingerprint"] = gathered_fingerprint(model_chunks, optimizer)
+    digests = fingerprint_state(model_chunks, optimizer)
+    return digests, gathered_fingerprint(model_chunks, optimizer) if layout.resharded else None
+
+
+def _started(
+    phase: str, case: BenchmarkCase, label: str, layout: ParallelLayout
+) -> tuple[WorkerResult, Any, Any]:
+    """The phase's record so far, the model chunks and the optimizer, built on this rank."""
+    out: WorkerResult = {"phase": phase, "case": case.name, "side": label}
+    out["megatron_core"] = megatron_core_info()
+    model_chunks, optimizer, out["model"] = _build(case, label, layout)
+    out["rank"] = runtime.rank_coordinates()
+    return out, model_chunks, optimizer
 
 
 def run_train(
     case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout
-) -> dict[str, Any]:
+) -> WorkerResult:
     """Train+save+control phase of this rank (see module docstring)."""
     import torch
 
@@ -221,10 +238,7 @@ def run_train(
     from benchmarks.resume_benchmark.model import train_step
 
     who = _who(case, label)
-    out: dict[str, Any] = {"phase": "train", "case": case.name, "side": label}
-    out["megatron_core"] = megatron_core_info()
-    model_chunks, optimizer, out["model"] = _build(case, label, layout)
-    out["rank"] = runtime.rank_coordinates()
+    out, model_chunks, optimizer = _started("train", case, label, layout)
 
     with runtime.measured_peak() as peak:
         steps = [
@@ -269,7 +283,9 @@ def run_train(
         f"{who}: saved {out['save']['checkpoint_bytes'] / 2**20:,.1f} MiB "
         f"in {out['save']['seconds']:.2f} s; fingerprinting state"
     )
-    _fingerprint(out, "post_save", layout, model_chunks, optimizer)
+    out["post_save_fingerprint"], gathered = _fingerprints(layout, model_chunks, optimizer)
+    if gathered is not None:
+        out["post_save_gathered_fingerprint"] = gathered
     out["next_step"] = _next_step(case, model_chunks, optimizer)
     progress(
         f"{who}: control step {case.train_steps + 1} loss "
@@ -303,7 +319,7 @@ def _stop_timeline(recorder: Any, failed: dict[str, Any] | None) -> dict[str, An
 
 def run_resume(
     case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout
-) -> dict[str, Any]:
+) -> WorkerResult:
     """Resume phase of this rank (see module docstring)."""
     import torch
 
@@ -312,10 +328,7 @@ def run_resume(
     from benchmarks.resume_benchmark.model import inner_optimizers
 
     who = _who(case, label)
-    out: dict[str, Any] = {"phase": "resume", "case": case.name, "side": label}
-    out["megatron_core"] = megatron_core_info()
-    model_chunks, optimizer, out["model"] = _build(case, label, layout)
-    out["rank"] = runtime.rank_coordinates()
+    out, model_chunks, optimizer = _started("resume", case, label, layout)
     adopters = registered_adopter_names()  # loads plugin entry points before the measurement
 
     loaders_installed = installed_instance_loaders(
@@ -355,7 +368,9 @@ def run_resume(
         "over baseline); "
         "fingerprinting state"
     )
-    _fingerprint(out, "restored", layout, model_chunks, optimizer)
+    out["restored_fingerprint"], gathered = _fingerprints(layout, model_chunks, optimizer)
+    if gathered is not None:
+        out["restored_gathered_fingerprint"] = gathered
     out["next_step"] = _next_step(case, model_chunks, optimizer)
     progress(
         f"{who}: resumed step {case.train_steps + 1} loss "
