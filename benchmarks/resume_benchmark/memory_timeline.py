@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 SOURCE_HISTORY: Final = "cuda_memory_history"
 
@@ -54,6 +54,34 @@ SHORT_PHASE_NAMES: Final[Mapping[str, str]] = {
 RECORDING: Final = "resume-benchmark load"
 
 Point = tuple[float, int]
+
+
+class Phase(TypedDict):
+    """One phase of the load, in seconds since the load began."""
+
+    label: str
+    start_s: float
+    end_s: float
+
+
+class Timeline(TypedDict):
+    """The recorded timeline of one load (see the module docstring)."""
+
+    unit: str
+    source: str
+    device: int
+    baseline_bytes: int
+    duration_s: float
+    points: list[list[float]]
+    phases: list[Phase]
+    peak_bytes_over_baseline: int
+    peak_t_s: float
+    end_bytes_over_baseline: int
+    dropped_events: bool
+    phase_clock: str
+    consistency: dict[str, int]
+    points_before_downsampling: int
+    max_points: int
 
 
 def block_bytes(requested: int) -> int:
@@ -136,7 +164,7 @@ def timeline_from_snapshot(
     max_points: int = DEFAULT_MAX_POINTS,
     allocated_peak: int | None = None,
     allocated_end: int | None = None,
-) -> dict[str, Any]:
+) -> Timeline:
     """The timeline of the module docstring from a snapshot.
 
     Args:
@@ -165,13 +193,9 @@ def timeline_from_snapshot(
     peak_index = max(range(len(points)), key=lambda i: (points[i][1], -i))
     duration = max(points[-1][0], (stopped_us - start_us) / 1e6)
     labels = [(label, (t - start_us) / 1e6) for label, t in times[1:]]
+    ends = [begin for _, begin in labels[1:]] + [duration]
     phases = [
-        {
-            "label": label,
-            "start_s": begin,
-            "end_s": labels[i + 1][1] if i + 1 < len(labels) else duration,
-        }
-        for i, (label, begin) in enumerate(labels)
+        Phase(label=label, start_s=begin, end_s=end) for (label, begin), end in zip(labels, ends)
     ]
     peak, end = points[peak_index][1], points[-1][1]
     consistency = {}
@@ -235,7 +259,7 @@ class LoadTimeline:
         """Close the current phase and open ``label``."""
         self._open(label)
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> Timeline:
         """Stop recording; the timeline of the module docstring."""
         import torch
 

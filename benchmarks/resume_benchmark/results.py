@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypedDict
 
+from benchmarks.resume_benchmark.memory_timeline import Timeline
+
 #: Prefix of the progress lines workers print; the driver echoes these lines to its stdout.
 PROGRESS_MARKER = "[resume-benchmark]"
 
@@ -122,7 +124,7 @@ class WorkerResult(TypedDict, total=False):
     save: SaveRecord
     next_step: StepRecord
     load: LoadRecord
-    memory_timeline: dict[str, Any]
+    memory_timeline: Timeline | dict[str, str]
     state_adoption: StateAdoptionRecord
     instance_loader: dict[str, Any]
     post_save_fingerprint: Digests

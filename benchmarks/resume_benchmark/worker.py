@@ -55,6 +55,7 @@ from benchmarks.resume_benchmark.results import (
     write_json,
 )
 from benchmarks.resume_benchmark.cases import BenchmarkCase
+from benchmarks.resume_benchmark.memory_timeline import LoadTimeline, Timeline
 from benchmarks.resume_benchmark.launch import ParallelLayout, rank_result_path
 from benchmarks.resume_benchmark import runtime
 from benchmarks.resume_benchmark.runtime import apply_determinism_env, launched_rank
@@ -294,10 +295,8 @@ def run_train(
     return out
 
 
-def _start_timeline(baseline: int) -> tuple[Any, dict[str, Any] | None]:
+def _start_timeline(baseline: int) -> tuple[Any, dict[str, str] | None]:
     """A started memory-timeline recorder, or None and the error record (never raises)."""
-    from benchmarks.resume_benchmark.memory_timeline import LoadTimeline
-
     try:
         recorder = LoadTimeline(baseline)
         recorder.start()
@@ -306,12 +305,12 @@ def _start_timeline(baseline: int) -> tuple[Any, dict[str, Any] | None]:
         return None, {"error": f"{type(error).__name__}: {error}"}
 
 
-def _stop_timeline(recorder: Any, failed: dict[str, Any] | None) -> dict[str, Any]:
+def _stop_timeline(recorder: Any, failed: dict[str, str] | None) -> Timeline | dict[str, str]:
     """The recorder's timeline, or an error record (never raises)."""
     if recorder is None:
         return failed or {"error": "no recorder"}
     try:
-        timeline: dict[str, Any] = recorder.stop()
+        timeline: Timeline = recorder.stop()
         return timeline
     except Exception as error:  # noqa: BLE001 - the timeline must never fail the resume
         return {"error": f"{type(error).__name__}: {error}"}
