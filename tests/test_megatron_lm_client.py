@@ -99,6 +99,14 @@ def test_resume_point_inside_the_run(tmp_path: Path, resume_at: int) -> None:
         RunPlan(10, resume_at, False, tmp_path)
 
 
+def test_release_of_the_training_code_is_checked(tmp_path: Path) -> None:
+    assert client.release_note("0.19", "0.19.2+stateadoption") is None
+    note = client.release_note("0.18", "0.19.2+stateadoption")
+    assert note and "release 0.18" in note and "core_r0.19.0" in note
+    assert "an unknown release" in (client.release_note(None, "0.19.2") or "")
+    assert client.tree_release(tmp_path) is None
+
+
 def test_release_branch() -> None:
     assert client.release_branch("0.19.2+stateadoption") == "core_r0.19.0"
     assert client.release_branch("0.16.1") == "core_r0.16.0"
@@ -155,6 +163,7 @@ def _megatron_lm_tree(root: Path) -> Path:
     for name in ("megatron/training/training.py", "megatron/core/__init__.py", "megatron/rl/x.py"):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"# {name}\n")
+    (root / "megatron/core/package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\n")
     return root
 
 
@@ -173,7 +182,10 @@ def test_client_tree_from_a_git_ref(tmp_path: Path) -> None:
     _git(repo, "add", ".")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "m")
     _git(repo, "branch", "core_r0.19.0")
-    origin = client.prepare_client(None, repo / ".git", "core_r0.19.0", tmp_path / "client")
+    origin, release = client.prepare_client(
+        None, repo / ".git", "core_r0.19.0", tmp_path / "client"
+    )
+    assert release == "0.19"
     assert origin.startswith(f"{repo / '.git'} core_r0.19.0 (")
     _assert_client_tree(tmp_path / "client")
     with pytest.raises(subprocess.CalledProcessError):
@@ -182,7 +194,8 @@ def test_client_tree_from_a_git_ref(tmp_path: Path) -> None:
 
 def test_client_tree_from_a_checkout(tmp_path: Path) -> None:
     repo = _megatron_lm_tree(tmp_path / "Megatron-LM")
-    assert client.prepare_client(repo, None, "unused", tmp_path / "client").startswith("checkout")
+    origin, release = client.prepare_client(repo, None, "unused", tmp_path / "client")
+    assert origin.startswith("checkout") and release == "0.19"
     _assert_client_tree(tmp_path / "client")
     with pytest.raises(ClientUsageError, match="no pretrain_gpt.py"):
         client.prepare_client(tmp_path / "client" / "megatron", None, "", tmp_path / "empty")

@@ -201,14 +201,18 @@ def write_make_shim(directory: Path) -> Path:
     return bin_dir
 
 
-def prepare_client(checkout: Path | None, git_dir: Path | None, ref: str, dest: Path) -> str:
+def prepare_client(
+    checkout: Path | None, git_dir: Path | None, ref: str, dest: Path
+) -> tuple[str, str | None]:
     """Copy Megatron-LM's training code (:data:`CLIENT_PATHS`, no ``megatron/core``) to ``dest``.
 
     Returns:
-        Where it came from, for the report.
+        Where it came from, for the report, and the release (``0.19``) its own
+        ``megatron/core/package_info.py`` names (None: not found).
     """
     dest.mkdir(parents=True, exist_ok=True)
     if checkout is not None:
+        release = tree_release(checkout)
         for name in CLIENT_PATHS:
             source = checkout / name
             if source.is_dir():
@@ -230,11 +234,32 @@ def prepare_client(checkout: Path | None, git_dir: Path | None, ref: str, dest: 
             check=True,
         )
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+        release = tree_release(dest)
         shutil.rmtree(dest / "megatron" / "core", ignore_errors=True)
         origin = f"{git_dir} {ref} ({commit[:12]})"
     if not (dest / SCRIPT).is_file():
         raise ClientUsageError(f"no {SCRIPT} in Megatron-LM {origin}")
-    return origin
+    return origin, release
+
+
+def tree_release(root: Path) -> str | None:
+    """``MAJOR.MINOR`` from a Megatron-LM tree's ``megatron/core/package_info.py``."""
+    info = root / "megatron" / "core" / "package_info.py"
+    text = info.read_text() if info.is_file() else ""
+    parts = [re.search(rf"^{name} = (\d+)$", text, re.M) for name in ("MAJOR", "MINOR")]
+    return ".".join(m[1] for m in parts if m) if all(parts) else None
+
+
+def release_note(release: str | None, build_version: str) -> str | None:
+    """A warning when the Megatron-LM tree is not of the build's ``MAJOR.MINOR`` release."""
+    wanted = ".".join(build_version.split("+")[0].split(".")[:2])
+    if release == wanted:
+        return None
+    found = f"release {release}" if release else "an unknown release"
+    return (
+        f"WARNING: the Megatron-LM training code is of {found}, the build is megatron-core "
+        f"{build_version}: use Megatron-LM's {release_branch(build_version)} branch"
+    )
 
 
 def _ignore_core(root: Path) -> Any:
@@ -545,7 +570,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sides, probes = prepared
     ref = args.ref or release_branch(probes["build"]["megatron_core"]["version"])
     client = workspace.path("megatron-lm-client")
-    origin = prepare_client(args.megatron_lm, args.megatron_lm_git, ref, client)
+    origin, release = prepare_client(args.megatron_lm, args.megatron_lm_git, ref, client)
+    mismatch = release_note(release, probes["build"]["megatron_core"]["version"])
+    if mismatch:
+        notes.append(mismatch)
     bin_dir = write_make_shim(workspace.root)
     notes.append(f"`make` on PATH from {bin_dir}: succeeds for a prebuilt helpers_cpp directory")
     for note in notes:
