@@ -10,10 +10,12 @@ directories compared tensor by tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -369,3 +371,130 @@ def test_phase_record_takes_the_highest_rank_and_the_exact_losses(tmp_path: Path
     assert "build: load peak over pre-load per rank, MiB: 0.0, 0.0 (the table: the highest)." in (
         client.markdown(document)
     )
+
+
+FAKE_PRETRAIN_GPT = '''"""Stand-in for Megatron-LM's pretrain_gpt.py (CPU): the console lines, TensorBoard scalars,
+exit-interval save and load of the real script, with a loss of 10 / iteration."""
+import argparse
+import os
+import sys
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save
+from torch.utils.tensorboard import SummaryWriter
+
+from megatron.training.checkpointing import load_checkpoint
+
+parser = argparse.ArgumentParser()
+for flag in ("--train-iters", "--exit-interval", "--save-interval"):
+    parser.add_argument(flag, type=int)
+for flag in ("--save", "--load", "--tensorboard-dir"):
+    parser.add_argument(flag)
+args, _ = parser.parse_known_args()
+start = load_checkpoint(args.load) if args.load else 0
+end = args.exit_interval or args.train_iters
+drift = 0.5 if args.load and os.environ.get("FAKE_RESUME_DRIFT") else 0.0
+print(" > number of parameters on (tensor, gtp_weight_remat, pipeline) model parallel rank (0, 0, 0): 1000")
+writer = SummaryWriter(args.tensorboard_dir)
+for iteration in range(start + 1, end + 1):
+    loss = 10.0 / iteration + drift
+    writer.add_scalar("lm loss", torch.tensor(loss), iteration)
+    print(f" [t] iteration {iteration:8d}/{args.train_iters:8d} | lm loss: {loss:.6E} |")
+    if iteration == start + 1:
+        print(f"[Rank 0] (after {iteration} iterations) memory (MB) | allocated: 1.00 | "
+              "max allocated: 2.00 | reserved: 3.00 | max reserved: 3.00")
+writer.close()
+if args.save:
+    state = {"weight": torch.full((4,), float(end) + drift)}
+    save(state, storage_writer=FileSystemWriter(f"{args.save}/iter_{end:07d}"), no_dist=True)
+    with open(f"{args.save}/latest", "w") as latest:
+        latest.write(str(end))
+sys.exit(0)
+'''
+
+
+def _fake_megatron_lm(root: Path) -> Path:
+    (root / "megatron" / "training").mkdir(parents=True)
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\n")
+    (root / "megatron" / "training" / "__init__.py").write_text("")
+    (root / "megatron" / "training" / "checkpointing.py").write_text(
+        "def load_checkpoint(path):\n    with open(path + '/latest') as f:\n        return int(f.read())\n"
+    )
+    (root / "pretrain_gpt.py").write_text(FAKE_PRETRAIN_GPT)
+    return root
+
+
+def _run_fake_client(tmp_path: Path) -> tuple[int, dict[str, Any], Path]:
+    from benchmarks.resume_benchmark.driver import Workspace
+    from benchmarks.resume_benchmark.sides import Side
+
+    tree = _fake_megatron_lm(tmp_path / "Megatron-LM")
+    out = tmp_path / "client.json"
+    argv = ["--megatron-lm", str(tree), "--work-dir", str(tmp_path / "work"), "--train-iters", "4"]
+    argv += ["--resume-at", "2", "--deterministic", "--json-out", str(out), "--", *USER_ARGS]
+    args = client.build_parser().parse_args(argv)
+    workspace = Workspace(args.work_dir)
+    plan = RunPlan(4, 2, True, workspace.path("ckpt"))
+    base, notes = client.base_arguments(USER_ARGS, apex_fusion=False)
+    here = Side("build", None, "current environment")
+    sides = {"upstream": dataclasses.replace(here, label="upstream"), "build": here}
+    probes = {"build": {"megatron_core": {"version": "0.19.2+stateadoption"}}}
+    status = client.run_client(args, workspace, sides, probes, plan, base, notes)
+    return status, json.loads(out.read_text()), workspace.root
+
+
+def test_the_four_runs_end_to_end(tmp_path: Path) -> None:
+    """The real orchestration, launcher and probe on the CPU, with a stand-in pretrain_gpt.py."""
+    status, document, work = _run_fake_client(tmp_path)
+    assert status == 0
+    phases = document["phases"]
+    assert list(phases) == ["train", "uninterrupted", "resume-upstream", "resume-build"]
+    assert phases["train"]["losses"] == {"1": 10.0, "2": 5.0}
+    assert phases["uninterrupted"]["losses"]["4"] == 2.5
+    assert phases["resume-build"]["losses"] == {"3": float(torch.tensor(10 / 3)), "4": 2.5}
+    assert all(p["loss_source"] == "tensorboard" and p["exit_code"] == 0 for p in phases.values())
+    assert phases["resume-build"]["first_memory_report"] == [3, 2.0]
+    assert phases["resume-build"]["load"]["baseline_bytes"] == 0  # no CUDA: statistics are 0
+    assert phases["train"]["load"] is None  # the first run loads nothing
+    assert phases["resume-build"]["parameters"] == 1000
+    assert document["loss_differences"] == {"upstream": [], "build": []}
+    assert document["checkpoint_differences"] == []
+    assert document["checkpoint_compared"] == {"tensors": 1, "bytes": 16}
+    assert not (work / "ckpt").exists() and not (work / "saved-resume-build").exists()
+    assert any("make" in note for note in document["notes"])
+    assert not any("WARNING" in note for note in document["notes"])
+    training = Path(phases["resume-build"]["modules"]["megatron.training"])
+    assert training.is_relative_to(work / "megatron-lm-client"), "the client's training code ran"
+
+
+def test_module_problems_name_code_from_elsewhere(tmp_path: Path) -> None:
+    from benchmarks.resume_benchmark.driver import PhaseOutcome
+    from benchmarks.resume_benchmark.sides import Side
+
+    log = tmp_path / "x.log"
+    log.write_text("")
+    result = {"modules": {"megatron.training": "/site/megatron/training/__init__.py",
+                          "megatron.core": "/other/megatron/core/__init__.py"}}  # fmt: skip
+    record = client.phase_record("resume-build", "build", PhaseOutcome(0, (result,), log, 1.0), log)
+    problems = client.module_problems(record, tmp_path / "client", Side("build", Path("/site"), ""))
+    assert problems == [
+        f"WARNING: resume-build ran megatron.training from /site/megatron/training/__init__.py, "
+        f"not {tmp_path / 'client'}",
+        "WARNING: resume-build ran megatron.core from /other/megatron/core/__init__.py, not /site",
+    ]
+
+
+def test_the_end_to_end_report_shows_resumed_losses_that_differ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_RESUME_DRIFT", "1")  # inherited by the runs: resumes drift by 0.5
+    status, document, _ = _run_fake_client(tmp_path)
+    assert status == 0
+    assert document["loss_differences"]["build"] == [
+        f"3: {float(torch.tensor(10 / 3))} != {float(torch.tensor(10 / 3 + 0.5))}",
+        "4: 2.5 != 3.0",
+    ]
+    assert document["checkpoint_differences"] == []  # both resumes drifted alike
+    assert "| build | n/a | n/a | 2.0 | n/a | **no** |" in client.markdown(document)

@@ -49,6 +49,7 @@ from benchmarks.resume_benchmark.results import installed_by_text
 from benchmarks.resume_benchmark.driver import PhaseOutcome, Workspace, report_failure, run_phase
 from benchmarks.resume_benchmark.cli import EXIT_CANNOT_RUN, cannot_run_message, check_cuda
 from benchmarks.resume_benchmark.results import eprint, progress, write_json
+from benchmarks.resume_benchmark.sides import Side
 
 SCRIPT: Final = "pretrain_gpt.py"
 PROBE_MODULE: Final = "benchmarks.resume_benchmark.megatron_lm_probe"
@@ -327,6 +328,7 @@ class PhaseRecord:
     outcomes: list[dict[str, Any]] | None = None
     peak_rank: int = 0
     rank_load_peaks: list[int | None] = field(default_factory=list)
+    modules: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def load_peak_over_baseline(self) -> int | None:
@@ -368,7 +370,21 @@ def phase_record(phase: str, side: str, outcome: PhaseOutcome, tensorboard: Path
         outcomes=adoption.get("outcomes"),
         peak_rank=peak_rank,
         rank_load_peaks=rises,
+        modules=result.get("modules") or {},
     )
+
+
+def module_problems(record: PhaseRecord, client: Path, side: Side) -> list[str]:
+    """Where a run took ``megatron.training`` from outside the client tree, or ``megatron.core``
+    from outside its side's site (empty: as intended)."""
+    training, core = (record.modules.get(n) for n in ("megatron.training", "megatron.core"))
+    problems = []
+    if training and not Path(training).resolve().is_relative_to(client.resolve()):
+        problems.append(f"{record.phase} ran megatron.training from {training}, not {client}")
+    site = side.pythonpath
+    if core and site is not None and not Path(core).resolve().is_relative_to(site.resolve()):
+        problems.append(f"{record.phase} ran megatron.core from {core}, not {site}")
+    return [f"WARNING: {p}" for p in problems]
 
 
 def loss_differences(
@@ -549,7 +565,7 @@ def _launch(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the four phases and print the report; 0 when every phase ran, else 1 (2: usage)."""
-    from benchmarks.resume_benchmark.cli import EXIT_CRASH, prepare_sides
+    from benchmarks.resume_benchmark.cli import prepare_sides
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -567,7 +583,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepared = prepare_sides(args, workspace)
     if isinstance(prepared, int):
         return prepared
-    sides, probes = prepared
+    return run_client(args, workspace, *prepared, plan, base, notes)
+
+
+def run_client(
+    args: argparse.Namespace,
+    workspace: Workspace,
+    sides: Mapping[str, Side],
+    probes: Mapping[str, Mapping[str, Any]],
+    plan: RunPlan,
+    base: Sequence[str],
+    notes: list[str],
+) -> int:
+    """The four runs, the report and its files; 0 when every run exited 0, else 1.
+
+    Args:
+        args: the client's parsed command line.
+        workspace: logs, TensorBoard files and checkpoints.
+        sides: ``upstream`` and ``build``; probes: the build's ``megatron_core`` record.
+        plan: iterations and the checkpoint directory.
+        base: the ``pretrain_gpt.py`` arguments every run gets (:func:`base_arguments`).
+        notes: what was added to them, for the report.
+    """
+    from benchmarks.resume_benchmark.cli import EXIT_CRASH
+
+    script_args = [a for a in args.script_args if a != "--"]
     ref = args.ref or release_branch(probes["build"]["megatron_core"]["version"])
     client = workspace.path("megatron-lm-client")
     origin, release = prepare_client(args.megatron_lm, args.megatron_lm_git, ref, client)
@@ -589,6 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.nproc_per_node, args.worker_timeout,
         )  # fmt: skip
         records[phase] = phase_record(phase, label, outcome, workspace.path(f"tensorboard-{phase}"))
+        for problem in module_problems(records[phase], client, sides[label]):
+            progress(f"megatron-lm: {problem}")
+            notes.append(problem)
         if phase == "train" and not outcome.ok:
             break
     after = range(plan.resume_at + 1, plan.train_iters + 1)
@@ -625,7 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.json_out, document)
     if args.markdown_out:
         args.markdown_out.write_text(text)
-    shutil.rmtree(plan.checkpoint, ignore_errors=True)
+    for checkpoint in (plan.checkpoint, *(workspace.path(f"saved-{p}") for p, _ in phases[2:])):
+        shutil.rmtree(checkpoint, ignore_errors=True)  # each is the size of the training state
     failed = [name for name, r in records.items() if r.exit_code != 0]
     if failed:
         eprint(f"megatron-lm: runs failed: {', '.join(failed)} (logs in {workspace.root})")

@@ -50,7 +50,7 @@ class LoadWatch:
         import torch
 
         if self.record is None:
-            torch.cuda.synchronize()
+            _synchronize(torch)
             self._started = time.perf_counter()
             self.record = {
                 "baseline_bytes": torch.cuda.memory_allocated(),
@@ -63,12 +63,18 @@ class LoadWatch:
         import torch
 
         if self.record is not None and "end_bytes" not in self.record:
-            torch.cuda.synchronize()
+            _synchronize(torch)
             peak = torch.cuda.max_memory_allocated()
             self.record["peak_bytes"] = peak if peak > self.record["peak_before_bytes"] else None
             self.record["end_bytes"] = torch.cuda.memory_allocated()
             self.record["seconds"] = time.perf_counter() - self._started
         return sys.monitoring.DISABLE
+
+
+def _synchronize(torch: Any) -> None:
+    """Wait for the GPU (without CUDA, as in the CPU tests, torch's statistics stay 0)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def watch_load(watch: LoadWatch) -> int:
@@ -119,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_allocated_bytes": torch.cuda.max_memory_allocated(),
         "exit_code": exit_code,
         "state_adoption": {"adopters": registered_adopter_names(), "outcomes": outcomes},
+        "modules": {
+            name: getattr(sys.modules.get(name), "__file__", None)
+            for name in ("megatron.core", "megatron.training")
+        },
     }
     write_json(rank_result_path(args.result, rank), record)
     return exit_code
