@@ -412,6 +412,22 @@ def test_a_failed_recording_is_noted_not_drawn(figures: Any, tmp_path: Path) -> 
     assert [p.name for _, p in written] == ["dp_reshardable.png"]
 
 
+def test_the_megatron_lm_clients_timelines_make_one_figure(figures: Any, tmp_path: Path) -> None:
+    sides = _two_sides()
+    phases = {
+        "uninterrupted": {"parameters": 50_000_000, "load": None},
+        "resume-upstream": {"load": {"baseline_bytes": 1, "memory_timeline": sides["upstream"]}},
+        "resume-build": {"load": {"baseline_bytes": 1, "memory_timeline": {"error": "no CUDA"}}},
+    }
+    (found,) = figures.case_timelines({"phases": phases})
+    assert found.case == "megatron-lm" and list(found.sides) == ["upstream"]
+    assert found.params == 50_000_000 and found.notes == ("build: no timeline (no CUDA)",)
+    phases["resume-build"]["load"]["memory_timeline"] = sides["build"]
+    (path,) = [p for _, p in figures.write_figures([{"phases": phases}], tmp_path)]
+    assert path.name == "megatron-lm.png" and _png_size(path)[0] > 0
+    assert figures.case_timelines({"phases": {"train": {"load": None}}}) == []
+
+
 def test_memory_timeline_imports_neither_torch_nor_matplotlib() -> None:
     code = (
         "import sys, benchmarks.resume_benchmark.memory_timeline; "

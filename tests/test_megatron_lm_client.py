@@ -458,6 +458,9 @@ def test_the_four_runs_end_to_end(tmp_path: Path) -> None:
     assert phases["resume-build"]["first_memory_report"] == [3, 2.0]
     assert phases["resume-build"]["load"]["baseline_bytes"] == 0  # no CUDA: statistics are 0
     assert phases["train"]["load"] is None  # the first run loads nothing
+    assert phases["resume-build"]["load"]["memory_timeline"] == {
+        "error": "RuntimeError: no CUDA device, so no allocator trace to record"
+    }
     assert phases["resume-build"]["parameters"] == 1000
     assert document["loss_differences"] == {"upstream": [], "build": []}
     assert document["checkpoint_differences"] == []

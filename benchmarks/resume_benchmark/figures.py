@@ -293,7 +293,10 @@ def _subtitle(timelines: CaseTimelines, sides: Mapping[str, Mapping[str, Any]]) 
 
 
 def case_timelines(document: Mapping[str, Any], *, all_ranks: bool = False) -> list[CaseTimelines]:
-    """Every figure the document can give: cases whose resume sides carry a timeline."""
+    """Every figure the document can give: cases whose resume sides carry a timeline (one
+    figure for a document of the Megatron-LM client, :mod:`.megatron_lm`)."""
+    if "phases" in document:
+        return _client_timelines(document["phases"])
     found: list[CaseTimelines] = []
     for entry in document.get("cases") or []:
         case = str(entry.get("case"))
@@ -310,6 +313,19 @@ def case_timelines(document: Mapping[str, Any], *, all_ranks: bool = False) -> l
             params = _params(entry, entry.get("sides") or {})
             found.append(CaseTimelines(case, sides, params, notes=notes))
     return found
+
+
+def _client_timelines(phases: Mapping[str, Any]) -> list[CaseTimelines]:
+    recorded = {
+        side: ((phases.get(f"resume-{side}") or {}).get("load") or {}).get("memory_timeline")
+        for side in ("upstream", "build")
+    }
+    recorded = {side: t for side, t in recorded.items() if t is not None}
+    if not recorded:
+        return []
+    sides, notes = _usable(recorded)
+    params = (phases.get("uninterrupted") or {}).get("parameters")
+    return [CaseTimelines("megatron-lm", sides, params, notes=notes)]
 
 
 def _usable(

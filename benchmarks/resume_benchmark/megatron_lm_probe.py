@@ -10,10 +10,14 @@ observes. ``sys.monitoring`` events of Megatron-LM's ``load_checkpoint`` mark th
 and return, where the allocator statistics are read without resetting them (so Megatron's own
 "max allocated" report is unchanged). Each rank writes ``R.rank<r>.json``::
 
-    {"load": {"baseline_bytes", "peak_before_bytes", "peak_bytes", "end_bytes", "seconds"} | None,
-     "max_allocated_bytes", "exit_code", "state_adoption": {"adopters", "outcomes"}}
+    {"load": {"baseline_bytes", "peak_before_bytes", "peak_bytes", "end_bytes", "seconds",
+              "memory_timeline"} | None,
+     "max_allocated_bytes", "exit_code", "state_adoption": {"adopters", "outcomes"},
+     "modules": {"megatron.core": FILE, "megatron.training": FILE}}
 
-``load.peak_bytes`` is None when the load did not raise the process's peak.
+``load.peak_bytes`` is None when the load did not raise the process's peak;
+``load.memory_timeline`` is the load's :class:`~.memory_timeline.Timeline` (no phases), or an
+``{"error": ...}`` record.
 """
 
 from __future__ import annotations
@@ -28,9 +32,17 @@ from pathlib import Path
 from types import CodeType
 from typing import Any
 
-from benchmarks.resume_benchmark.results import recording_outcomes, registered_adopter_names
 from benchmarks.resume_benchmark.launch import rank_result_path
-from benchmarks.resume_benchmark.results import write_json
+from benchmarks.resume_benchmark.memory_timeline import (
+    LoadTimeline,
+    finished_timeline,
+    started_timeline,
+)
+from benchmarks.resume_benchmark.results import (
+    recording_outcomes,
+    registered_adopter_names,
+    write_json,
+)
 
 #: The Megatron-LM function whose allocator peak is the load peak.
 LOAD_FUNCTION = ("megatron.training.checkpointing", "load_checkpoint")
@@ -44,6 +56,7 @@ class LoadWatch:
     def __init__(self) -> None:
         self.record: dict[str, Any] | None = None
         self._started = 0.0
+        self._timeline: LoadTimeline | dict[str, str] = {"error": "the load never began"}
 
     def begin(self, code: CodeType, offset: int) -> Any:
         """``PY_START``: the load begins; read the level and the peak so far."""
@@ -56,6 +69,7 @@ class LoadWatch:
                 "baseline_bytes": torch.cuda.memory_allocated(),
                 "peak_before_bytes": torch.cuda.max_memory_allocated(),
             }
+            self._timeline = started_timeline(self.record["baseline_bytes"])
         return sys.monitoring.DISABLE
 
     def end(self, code: CodeType, offset: int, value: Any) -> Any:
@@ -64,6 +78,7 @@ class LoadWatch:
 
         if self.record is not None and "end_bytes" not in self.record:
             _synchronize(torch)
+            self.record["memory_timeline"] = finished_timeline(self._timeline)
             peak = torch.cuda.max_memory_allocated()
             self.record["peak_bytes"] = peak if peak > self.record["peak_before_bytes"] else None
             self.record["end_bytes"] = torch.cuda.memory_allocated()

@@ -280,6 +280,27 @@ class LoadTimeline:
         )
 
 
+def started_timeline(baseline_bytes: int) -> LoadTimeline | dict[str, str]:
+    """A started :class:`LoadTimeline`, or the error record why none could start (never
+    raises: the timeline must never fail the load it watches)."""
+    try:
+        recorder = LoadTimeline(baseline_bytes)
+        recorder.start()
+        return recorder
+    except Exception as error:  # noqa: BLE001 - recorded instead
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def finished_timeline(recorder: LoadTimeline | dict[str, str]) -> Timeline | dict[str, str]:
+    """The timeline of a :func:`started_timeline` recorder, or an error record (never raises)."""
+    if not isinstance(recorder, LoadTimeline):
+        return recorder
+    try:
+        return recorder.stop()
+    except Exception as error:  # noqa: BLE001 - recorded instead
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
 def timeline_problems(timeline: Any) -> list[str]:
     """What is wrong with ``timeline`` as a result of this module (empty: usable)."""
     if not isinstance(timeline, Mapping):

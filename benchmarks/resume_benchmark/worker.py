@@ -55,7 +55,11 @@ from benchmarks.resume_benchmark.results import (
     write_json,
 )
 from benchmarks.resume_benchmark.cases import BenchmarkCase
-from benchmarks.resume_benchmark.memory_timeline import LoadTimeline, Timeline
+from benchmarks.resume_benchmark.memory_timeline import (
+    LoadTimeline,
+    finished_timeline,
+    started_timeline,
+)
 from benchmarks.resume_benchmark.launch import ParallelLayout, rank_result_path
 from benchmarks.resume_benchmark import runtime
 from benchmarks.resume_benchmark.runtime import apply_determinism_env, launched_rank
@@ -295,27 +299,6 @@ def run_train(
     return out
 
 
-def _start_timeline(baseline: int) -> tuple[Any, dict[str, str] | None]:
-    """A started memory-timeline recorder, or None and the error record (never raises)."""
-    try:
-        recorder = LoadTimeline(baseline)
-        recorder.start()
-        return recorder, None
-    except Exception as error:  # noqa: BLE001 - the timeline must never fail the resume
-        return None, {"error": f"{type(error).__name__}: {error}"}
-
-
-def _stop_timeline(recorder: Any, failed: dict[str, str] | None) -> Timeline | dict[str, str]:
-    """The recorder's timeline, or an error record (never raises)."""
-    if recorder is None:
-        return failed or {"error": "no recorder"}
-    try:
-        timeline: Timeline = recorder.stop()
-        return timeline
-    except Exception as error:  # noqa: BLE001 - the timeline must never fail the resume
-        return {"error": f"{type(error).__name__}: {error}"}
-
-
 def run_resume(
     case: BenchmarkCase, checkpoint_dir: Path, label: str, layout: ParallelLayout
 ) -> WorkerResult:
@@ -335,11 +318,11 @@ def run_resume(
     )
     with runtime.measured_peak() as load, loaders_installed as loaders:
         progress(f"{who}: loading checkpoint (baseline {load.baseline_bytes / 2**20:,.1f} MiB)")
-        recorder, timeline = _start_timeline(load.baseline_bytes)
+        recorder = started_timeline(load.baseline_bytes)
         with recording_outcomes() as outcomes:
-            on_phase = recorder.mark if recorder is not None else None
+            on_phase = recorder.mark if isinstance(recorder, LoadTimeline) else None
             load_checkpoint(model_chunks, optimizer, case.sharding_format, checkpoint_dir, on_phase)
-    out["memory_timeline"] = _stop_timeline(recorder, timeline)
+    out["memory_timeline"] = finished_timeline(recorder)
     gc.collect()
     baseline, peak, seconds = load.baseline_bytes, load.peak_bytes, load.seconds
     out["load"] = {
