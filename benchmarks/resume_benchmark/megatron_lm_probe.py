@@ -78,11 +78,12 @@ class LoadWatch:
 
         if self.record is not None and "end_bytes" not in self.record:
             _synchronize(torch)
-            self.record["memory_timeline"] = finished_timeline(self._timeline)
+            seconds = time.perf_counter() - self._started
             peak = torch.cuda.max_memory_allocated()
             self.record["peak_bytes"] = peak if peak > self.record["peak_before_bytes"] else None
             self.record["end_bytes"] = torch.cuda.memory_allocated()
-            self.record["seconds"] = time.perf_counter() - self._started
+            self.record["seconds"] = seconds
+            self.record["memory_timeline"] = finished_timeline(self._timeline)
         return sys.monitoring.DISABLE
 
 
