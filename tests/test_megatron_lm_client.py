@@ -67,8 +67,11 @@ def test_owned_arguments_are_refused(extra: list[str]) -> None:
 
 
 def test_other_checkpoint_formats_are_refused() -> None:
-    with pytest.raises(ClientUsageError, match="torch_dist"):
+    with pytest.raises(ClientUsageError, match="torch_dist or fsdp_dtensor"):
         client.base_arguments([*USER_ARGS, "--ckpt-format", "torch"], apex_fusion=True)
+    fsdp = [*USER_ARGS, "--use-megatron-fsdp", "--ckpt-format=fsdp_dtensor"]
+    args, notes = client.base_arguments(fsdp, apex_fusion=True)
+    assert "--ckpt-format" not in args[len(fsdp) :] and not any("ckpt" in n for n in notes)
 
 
 def test_phase_arguments(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ TensorBoard scalars Megatron writes (``--log-interval 1`` console lines where Te
 missing; Megatron's console average on the second iteration of a process covers two iterations).
 
 What the client adds to ``ARGS`` and why is printed and recorded in ``notes``: ``--mock-data``
-without a data argument, ``--ckpt-format torch_dist``, ``--eval-iters 0`` (the end-of-training
+without a data argument, ``--ckpt-format torch_dist`` (``fsdp_dtensor`` is accepted too), ``--eval-iters 0`` (the end-of-training
 evaluation is not measured), ``--no-gradient-accumulation-fusion`` when Apex's
 ``fused_weight_gradient_mlp_cuda`` is missing, and a ``make`` first on ``PATH`` that succeeds for
 a ``megatron/core/datasets`` directory holding the prebuilt ``helpers_cpp`` and no Makefile
@@ -65,6 +65,9 @@ OWNED_ARGUMENTS: Final = frozenset(
         "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-step", "--deterministic-mode",
     }
 )  # fmt: skip
+#: Checkpoint formats the client resumes (both ``torch.distributed.checkpoint`` directories):
+#: ``torch_dist`` (the default it adds), ``fsdp_dtensor`` (Megatron-FSDP).
+CHECKPOINT_FORMATS: Final = ("torch_dist", "fsdp_dtensor")
 #: Megatron-LM divides by ``--eval-interval`` even with ``--eval-iters 0``.
 EVAL_INTERVAL: Final = 1000
 DATA_ARGUMENTS: Final = ("--mock-data", "--data-path", "--train-data-path", "--data-args-path")
@@ -115,8 +118,8 @@ def base_arguments(user_args: Sequence[str], apex_fusion: bool) -> tuple[list[st
         The arguments and the notes that tell the user what was added.
 
     Raises:
-        ClientUsageError: for an argument the client owns, or a checkpoint format other than
-            ``torch_dist``.
+        ClientUsageError: for an argument the client owns, or a checkpoint format not in
+            :data:`CHECKPOINT_FORMATS`.
     """
     flags = _flags(user_args)
     owned = sorted(flags & OWNED_ARGUMENTS)
@@ -126,8 +129,10 @@ def base_arguments(user_args: Sequence[str], apex_fusion: bool) -> tuple[list[st
             "of the client; it owns saving, loading and logging)"
         )
     ckpt_format = _value(user_args, "--ckpt-format")
-    if ckpt_format not in (None, "torch_dist"):
-        raise ClientUsageError(f"--ckpt-format {ckpt_format}: the benchmark resumes torch_dist")
+    if ckpt_format not in (None, *CHECKPOINT_FORMATS):
+        raise ClientUsageError(
+            f"--ckpt-format {ckpt_format}: the benchmark resumes {' or '.join(CHECKPOINT_FORMATS)}"
+        )
     args, notes = list(user_args), []
     if not flags & set(DATA_ARGUMENTS):
         args.append("--mock-data")
