@@ -22,8 +22,8 @@ TensorBoard scalars Megatron writes (``--log-interval 1`` console lines where Te
 missing; Megatron's console average on the second iteration of a process covers two iterations).
 
 What the client adds to ``ARGS`` and why is printed and recorded in ``notes``: ``--mock-data``
-without a data argument, ``--ckpt-format torch_dist`` (``fsdp_dtensor`` is accepted too), ``--eval-iters 0`` (the end-of-training
-evaluation is not measured), ``--no-gradient-accumulation-fusion`` when Apex's
+without a data argument, ``--ckpt-format torch_dist`` (``fsdp_dtensor`` is accepted too),
+``--eval-iters 0`` (evaluation is not measured), ``--no-gradient-accumulation-fusion`` when Apex's
 ``fused_weight_gradient_mlp_cuda`` is missing, and a ``make`` first on ``PATH`` that succeeds for
 a ``megatron/core/datasets`` directory holding the prebuilt ``helpers_cpp`` and no Makefile
 (pip-installed megatron-core; Megatron-LM's start-up runs ``make`` there) and runs the real
@@ -465,8 +465,8 @@ def markdown(document: Mapping[str, Any]) -> str:
     training_peak = control.get("max_allocated_bytes")
     mode = "yes" if plan["deterministic"] else "no"
     lines = [
-        f"Megatron-LM `{SCRIPT}` from {document['megatron_lm']}; iterations 1..{plan['train_iters']}"
-        f", resumed at {plan['resume_at']}; deterministic mode: {mode}; parameters (rank 0): "
+        f"Megatron-LM `{SCRIPT}` from {document['megatron_lm']}; iterations "
+        f"1..{plan['train_iters']}, resumed at {plan['resume_at']}; deterministic mode: {mode}; parameters (rank 0): "
         + (f"{params:,}" if params else "unknown"),
         "",
         "| side | load peak over pre-load, MiB | B/param | max allocated after iteration "

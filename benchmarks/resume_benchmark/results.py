@@ -185,7 +185,8 @@ def eprint(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-# State adoption records: Which optimizer state adopters a resume worker had, and what each hook point did in its load.
+# State adoption records: which optimizer state adopters a resume worker had, and what each hook
+# point did in its load.
 
 #: Hook point of the inner ``load_state_dict`` call (the one that installs the state).
 LOAD_HOOK_POINT: Final = "load"
@@ -297,7 +298,8 @@ def fallback_text(record: Mapping[str, Any] | None) -> str | None:
     """Why the first inner ``load_state_dict`` call that fell back did, with each decline."""
     for outcome in load_outcomes(record):
         if not outcome.get("adopter"):
-            declines = "; ".join(f"{name}: {reason}" for name, reason in outcome.get("declines") or [])
+            pairs = outcome.get("declines") or []
+            declines = "; ".join(f"{name}: {reason}" for name, reason in pairs)
             return f"{outcome.get('fallback_reason')}" + (f" ({declines})" if declines else "")
     return None
 
