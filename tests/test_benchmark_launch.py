@@ -317,7 +317,7 @@ def test_sigterm_to_the_driver_kills_the_running_launch(tmp_path: Path) -> None:
         "from benchmarks.resume_benchmark import cli\n"
         "from benchmarks.resume_benchmark.driver import Workspace, run_phase\n"
         "from benchmarks.resume_benchmark.sides import Side\n"
-        "signal.signal(signal.SIGTERM, cli._exit_on_sigterm)\n"
+        "signal.signal(signal.SIGTERM, cli.exit_on_sigterm)\n"
         f"run_phase(Workspace(Path({str(tmp_path)!r})), Side('build', None, 't'), 'probe', 'p', None, 300.0, 2)\n"
     )
     driver = subprocess.Popen([sys.executable, "-c", script], cwd=repo)

@@ -297,7 +297,7 @@ def test_markdown_report() -> None:
 def test_cli_routes_to_the_client_and_refuses_without_cuda(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from benchmarks.resume_benchmark.cli import main
+    from benchmarks.resume_benchmark.__main__ import main
 
     with pytest.raises(SystemExit) as exited:
         main(["megatron-lm", "--help"])

@@ -459,7 +459,7 @@ def _exit_status(check: bool, entries: list[dict[str, Any]]) -> int:
     return EXIT_OK
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
+def exit_on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM (e.g. from ``timeout``) ends the run like Ctrl-C: the running phase's process
     group (its own session) is killed on the way out instead of outliving the driver."""
     raise SystemExit(128 + signum)
@@ -467,13 +467,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; see the module docstring for exit statuses."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if CLIENT_COMMAND in argv[: argv.index("--") if "--" in argv else len(argv)]:
-        from benchmarks.resume_benchmark.megatron_lm import main as client_main
-
-        argv.remove(CLIENT_COMMAND)
-        return client_main(argv)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     parser = build_parser()
     args = parser.parse_args(argv)
     size = model_size(args)
