@@ -20,10 +20,9 @@ import torch
 from megatron.core.distributed import DistributedDataParallel
 
 from benchmarks.resume_benchmark.model import distributed_optimizers
+from benchmarks.resume_benchmark.results import Digests
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core import parallel_state as ps
-
-Digests = dict[str, str]
 
 
 def _tensor_bytes_on_cpu(tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
