@@ -408,7 +408,7 @@ for iteration in range(start + 1, end + 1):
         print(f"[Rank 0] (after {iteration} iterations) memory (MB) | allocated: 1.00 | "
               "max allocated: 2.00 | reserved: 3.00 | max reserved: 3.00")
 writer.close()
-if args.save:
+if args.save and not (args.load and os.environ.get("FAKE_RESUME_SAVES_NOTHING")):
     state = {"weight": torch.full((4,), float(end) + drift)}
     save(state, storage_writer=FileSystemWriter(f"{args.save}/iter_{end:07d}"), no_dist=True)
     with open(f"{args.save}/latest", "w") as latest:
@@ -504,3 +504,13 @@ def test_the_end_to_end_report_shows_resumed_losses_that_differ(
     ]
     assert document["checkpoint_differences"] == []  # both resumes drifted alike
     assert "| build | n/a | n/a | 2.0 | n/a | **no** |" in client.markdown(document)
+
+
+def test_resumes_that_save_nothing_are_reported_not_compared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_RESUME_SAVES_NOTHING", "1")
+    status, document, _ = _run_fake_client(tmp_path)
+    assert status == 0 and document["checkpoint_differences"] is None
+    assert "checkpoints not compared: a resume saved none (see its log)" in document["notes"]
+    assert "Checkpoints saved" not in client.markdown(document)

@@ -47,7 +47,13 @@ from typing import Any, Final
 
 from benchmarks.resume_benchmark.results import installed_by_text
 from benchmarks.resume_benchmark.driver import PhaseOutcome, Workspace, report_failure, run_phase
-from benchmarks.resume_benchmark.cli import EXIT_CANNOT_RUN, cannot_run_message, check_cuda
+from benchmarks.resume_benchmark.cli import (
+    EXIT_CANNOT_RUN,
+    EXIT_CRASH,
+    cannot_run_message,
+    check_cuda,
+    prepare_sides,
+)
 from benchmarks.resume_benchmark.results import eprint, progress, write_json
 from benchmarks.resume_benchmark.sides import Side
 
@@ -550,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _launch(
-    workspace: Workspace, side: Any, phase: str, args: Sequence[str], client: Path, plan: RunPlan,
+    workspace: Workspace, side: Side, phase: str, args: Sequence[str], client: Path,
     env: Mapping[str, str], nproc: int, timeout: float,
 ) -> PhaseOutcome:  # fmt: skip
     result = workspace.path(f"{phase}.result.json")
@@ -570,8 +576,6 @@ def _launch(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the four phases and print the report; 0 when every phase ran, else 1 (2: usage)."""
-    from benchmarks.resume_benchmark.cli import prepare_sides
-
     parser = build_parser()
     args = parser.parse_args(argv)
     missing = check_cuda()
@@ -610,8 +614,6 @@ def run_client(
         base: the ``pretrain_gpt.py`` arguments every run gets (:func:`base_arguments`).
         notes: what was added to them, for the report.
     """
-    from benchmarks.resume_benchmark.cli import EXIT_CRASH
-
     script_args = [a for a in args.script_args if a != "--"]
     ref = args.ref or release_branch(probes["build"]["megatron_core"]["version"])
     client = workspace.path("megatron-lm-client")
@@ -630,7 +632,7 @@ def run_client(
     for phase, label in phases:
         phase_args = phase_arguments(base, phase, plan, workspace.root)
         outcome = _launch(
-            workspace, sides[label], phase, phase_args, client, plan, env_extra,
+            workspace, sides[label], phase, phase_args, client, env_extra,
             args.nproc_per_node, args.worker_timeout,
         )  # fmt: skip
         records[phase] = phase_record(phase, label, outcome, workspace.path(f"tensorboard-{phase}"))
@@ -659,11 +661,12 @@ def run_client(
         "loss_differences": differences,
         "checkpoint_differences": None,
     }
-    if plan.deterministic and all(f"resume-{s}" in records for s in RESUME_SIDES):
-        saved = [
-            workspace.path(f"saved-resume-{s}") / f"iter_{plan.train_iters:07d}"
-            for s in RESUME_SIDES
-        ]
+    saved = [
+        workspace.path(f"saved-resume-{s}") / f"iter_{plan.train_iters:07d}" for s in RESUME_SIDES
+    ]
+    if plan.deterministic and not all(path.is_dir() for path in saved):
+        notes.append("checkpoints not compared: a resume saved none (see its log)")
+    elif plan.deterministic:
         comparison = compare_torch_dist(saved[0], saved[1])
         document["checkpoint_differences"] = comparison.differences
         document["checkpoint_compared"] = {"tensors": comparison.tensors, "bytes": comparison.bytes}
