@@ -438,3 +438,36 @@ def test_memory_timeline_imports_neither_torch_nor_matplotlib() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_torch_profilers_categories_do_not_name_state_a_load_allocates() -> None:
+    """Why the timeline does not use torch.profiler's categorised memory timeline: it names
+    optimizer state from ``Optimizer.step``'s dataflow, so the moments a step creates are
+    "optimizer state" but the copies a ``load_state_dict`` allocates (where TE's duplicate
+    lives) stay uncategorised. Real torch, on the CPU."""
+    import copy
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    memory_profiler = pytest.importorskip("torch.profiler._memory_profiler")
+    model = torch.nn.Linear(256, 256)
+    trained = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    trained.step()
+    saved = copy.deepcopy(trained.state_dict())
+    activities = [ProfilerActivity.CPU]
+    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as p:
+        stepped = torch.optim.Adam(model.parameters())
+        model(torch.randn(4, 256)).sum().backward()
+        stepped.step()  # creates its moments inside the step
+        torch.optim.Adam(model.parameters()).load_state_dict(copy.deepcopy(saved))
+    profile_ = memory_profiler.MemoryProfile(p.profiler.kineto_results)
+    created: dict[str, int] = {}
+    for _, action, (key, version), size in profile_.timeline:
+        if action.name == "CREATE":
+            category = str(profile_._categories.get(key, version))
+            created[category] = created.get(category, 0) + size
+    moments = 2 * 4 * (256 * 256 + 256)
+    assert created["Category.OPTIMIZER_STATE"] >= moments
+    assert created["None"] >= moments  # the loaded copies: not optimizer state
