@@ -264,8 +264,7 @@ def tree_release(root: Path) -> str | None:
 
 def release_note(release: str | None, build_version: str) -> str | None:
     """A warning when the Megatron-LM tree is not of the build's ``MAJOR.MINOR`` release."""
-    wanted = ".".join(build_version.split("+")[0].split(".")[:2])
-    if release == wanted:
+    if release == major_minor(build_version):
         return None
     found = f"release {release}" if release else "an unknown release"
     return (
@@ -281,10 +280,19 @@ def _ignore_core(root: Path) -> Any:
     return ignore
 
 
+def major_minor(version: str) -> str:
+    """``MAJOR.MINOR`` of a megatron-core version (``0.19.2+stateadoption`` -> ``0.19``)."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
 def release_branch(version: str) -> str:
     """Megatron-LM's release branch for megatron-core ``version`` (``0.19.2+x`` -> core_r0.19.0)."""
-    major, minor = version.split("+")[0].split(".")[:2]
-    return f"core_r{major}.{minor}.0"
+    return f"core_r{major_minor(version)}.0"
+
+
+def script_arguments(args: argparse.Namespace) -> list[str]:
+    """The ``pretrain_gpt.py`` arguments of the parsed client command line (after ``--``)."""
+    return [a for a in args.script_args if a != "--"]
 
 
 def console_losses(log_text: str) -> dict[int, str]:
@@ -582,11 +590,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing is not None:
         eprint(cannot_run_message(missing))
         return EXIT_CANNOT_RUN
-    script_args = [a for a in args.script_args if a != "--"]
     workspace = Workspace(args.work_dir or Path(tempfile.mkdtemp(prefix="megatron-lm-resume-")))
     try:
         plan = RunPlan(args.train_iters, args.resume_at, args.deterministic, workspace.path("ckpt"))
-        base, notes = base_arguments(script_args, apex_fusion_available())
+        base, notes = base_arguments(script_arguments(args), apex_fusion_available())
     except ClientUsageError as exc:
         parser.error(str(exc))
     prepared = prepare_sides(args, workspace)
@@ -614,7 +621,6 @@ def run_client(
         base: the ``pretrain_gpt.py`` arguments every run gets (:func:`base_arguments`).
         notes: what was added to them, for the report.
     """
-    script_args = [a for a in args.script_args if a != "--"]
     ref = args.ref or release_branch(probes["build"]["megatron_core"]["version"])
     client = workspace.path("megatron-lm-client")
     origin, release = prepare_client(args.megatron_lm, args.megatron_lm_git, ref, client)
@@ -650,7 +656,7 @@ def run_client(
     }
     document: dict[str, Any] = {
         "megatron_lm": origin,
-        "script_args": script_args,
+        "script_args": script_arguments(args),
         "plan": {**asdict(plan), "checkpoint": str(plan.checkpoint)},
         "notes": notes,
         "sides": {label: side.to_json() for label, side in sides.items()},
