@@ -2,19 +2,18 @@
 
 The build side must be ``V+stateadoption`` (with the subsystem), the upstream side exactly ``V``
 (without it), the same V -- 0.16.1, 0.18.2 and 0.19.2 alike; ``--upstream`` may be a directory
-or a wheel, and without it ``megatron-core==V`` is downloaded.
+or a wheel, and without it ``megatron-core==V`` is downloaded. (A whole run with the sides of
+another release: tests/test_benchmark_cli.py.)
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmark_fakes import install_fake_gpu, run_phases_in_process, standin_is_te_fused_adam
 
-from benchmarks.resume_benchmark import cli, sides, worker
+from benchmarks.resume_benchmark import sides
 from benchmarks.resume_benchmark.sides import (
     build_release,
     public_release,
@@ -114,50 +113,3 @@ def test_upstream_and_build_may_be_directories_or_wheels(tmp_path: Path, monkeyp
     assert resolve_build(None, tmp_path).pythonpath is None
     with pytest.raises(sides.SideError, match="neither a directory nor a .whl"):
         resolve_upstream(tmp_path / "nothing.txt", tmp_path, "0.16.1")
-
-
-def _as_release(release: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """This venv's build reports ``release+stateadoption`` (the fake upstream: ``release``)."""
-    real = worker.megatron_core_info
-    monkeypatch.setattr(worker, "megatron_core_info", lambda: {**real(), "version": f"{release}+stateadoption"})
-
-
-def _run_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> int:
-    monkeypatch.setattr(cli, "check_cuda", lambda: None)
-    monkeypatch.setattr(cli, "check_gpu_count", lambda needed: None)
-    monkeypatch.setattr(cli, "check_transformer_engine", lambda probe: None)
-    (tmp_path / "up").mkdir(exist_ok=True)
-    argv = ["--preset", "tiny", "--cases", "dp_reshardable", "--upstream", str(tmp_path / "up"),
-            "--work-dir", str(tmp_path / "w"), "--checkpoint-root", str(tmp_path / "c"),
-            "--json-out", str(tmp_path / "r.json"), "--markdown-out", str(tmp_path / "r.md"), *extra]  # fmt: skip
-    return cli.main(argv)
-
-
-@pytest.mark.parametrize("release", ["0.16.1", "0.18.2"])
-def test_the_benchmark_runs_a_build_of_another_release(
-    release: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    install_fake_gpu(monkeypatch)
-    standin_is_te_fused_adam(monkeypatch)
-    run_phases_in_process(monkeypatch)
-    _as_release(release, monkeypatch)
-    assert _run_cli(tmp_path, monkeypatch, "--check") == 0
-    doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["sides"]["build"]["version"] == f"{release}+stateadoption"
-    assert doc["sides"]["upstream"]["version"] == release
-    markdown = (tmp_path / "r.md").read_text()
-    assert f"- upstream: megatron-core {release} from `/upstream/megatron/core/__init__.py`" in markdown
-    assert f"- build: megatron-core {release}+stateadoption from" in markdown
-    versions = [row.split("|")[3].strip() for row in markdown.splitlines() if row.startswith("| dp_")]
-    assert versions == [f"{release}+stateadoption", release, f"{release}+stateadoption"]
-
-
-def test_an_upstream_of_another_release_stops_the_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    install_fake_gpu(monkeypatch)
-    launches = run_phases_in_process(monkeypatch, upstream_version="0.19.2")
-    _as_release("0.18.2", monkeypatch)
-    assert _run_cli(tmp_path, monkeypatch) == cli.EXIT_WRONG_SIDES
-    assert "plain megatron-core 0.18.2" in capsys.readouterr().err
-    assert [phase for phase, _, _ in launches] == ["probe", "probe"]  # nothing else ran

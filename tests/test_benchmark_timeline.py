@@ -299,38 +299,16 @@ def _two_sides() -> dict[str, Any]:
     return {"upstream": upstream, "build": build}
 
 
-def _document(sides: dict[str, Any], *, multi_rank: bool = False) -> dict[str, Any]:
-    params = 50_000_000
-    if not multi_rank:
-        return {
-            "cases": [
-                {
-                    "case": "dp_reshardable",
-                    "params_on_rank": params,
-                    "sides": {
-                        label: {"status": "ok", "params_on_rank": params, "memory_timeline": t}
-                        for label, t in sides.items()
-                    },
-                },
-                {"case": "moe", "params_on_rank": params, "sides": {"upstream": {"status": "ok"}}},
-                {"case": "fully_sharded_model_space", "status": "unsupported"},
-            ]
-        }
-    return {
-        "cases": [
-            {
-                "case": "precision_aware_bf16",
-                "parallel": {"resharded": False},
-                "rank_sides": {
-                    label: [
-                        {"rank": r, "params_on_rank": params + r, "memory_timeline": t}
-                        for r in range(2)
-                    ]
-                    for label, t in sides.items()
-                },
-            }
-        ]
-    }
+def _run(name: str, sides: dict[str, Any], params: int = 50_000_000) -> dict[str, Any]:
+    """A run document of the benchmark (:mod:`.megatron_lm`) whose resumes carry ``sides``."""
+    phases: dict[str, Any] = {"uninterrupted": {"parameters": params, "load": None}}
+    for label, timeline in sides.items():
+        phases[f"resume-{label}"] = {"load": {"baseline_bytes": 1, "memory_timeline": timeline}}
+    return {"configuration": {"name": name}, "phases": phases}
+
+
+def _document(sides: dict[str, Any]) -> dict[str, Any]:
+    return {"runs": [_run("dp-reshardable", sides), _run("moe", {}), {"phases": {}}]}
 
 
 def test_figure_is_a_small_png(figures: Any, tmp_path: Path) -> None:
@@ -357,30 +335,22 @@ def test_figure_with_one_side_and_no_parameter_count(figures: Any, tmp_path: Pat
         figures.render_case_figure(figures.CaseTimelines("x", {"a": {}}), tmp_path / "x.png")
 
 
-def test_cases_with_timelines_are_found(figures: Any) -> None:
-    sides = _two_sides()
-    single = figures.case_timelines(_document(sides))
-    assert [(c.case, c.params, c.multi_rank, list(c.sides)) for c in single] == [
-        ("dp_reshardable", 50_000_000, False, ["upstream", "build"])
+def test_runs_with_timelines_are_found(figures: Any) -> None:
+    found = figures.case_timelines(_document(_two_sides()))
+    assert [(c.case, c.params, list(c.sides)) for c in found] == [
+        ("dp-reshardable", 50_000_000, ["upstream", "build"])
     ]
-    multi = figures.case_timelines(_document(sides, multi_rank=True))
-    assert [(c.case, c.rank, c.params) for c in multi] == [("precision_aware_bf16", 0, 50_000_000)]
-    every = figures.case_timelines(_document(sides, multi_rank=True), all_ranks=True)
-    assert [(c.rank, c.params) for c in every] == [(0, 50_000_000), (1, 50_000_001)]
-    assert [figures.figure_name(c, True) for c in every] == [
-        "precision_aware_bf16.rank0.png",
-        "precision_aware_bf16.rank1.png",
-    ]
-    assert figures.figure_name(multi[0], False) == "precision_aware_bf16.png"
+    assert figures.figure_name(figures.CaseTimelines("your arguments", {})) == "your_arguments.png"
+    # A single run of the client (docs/gpu-results/session-13-megatron-lm) is its own document.
+    (single,) = figures.case_timelines(_run("megatron-lm", _two_sides()) | {"configuration": {}})
+    assert single.case == "megatron-lm"
 
 
-def test_cli_writes_one_png_per_case_and_markdown(figures: Any, tmp_path: Path) -> None:
+def test_cli_writes_one_png_per_run_and_markdown(figures: Any, tmp_path: Path) -> None:
     sides = _two_sides()
-    first = tmp_path / "a.json"
-    second = tmp_path / "b.json"
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
     first.write_text(json.dumps(_document(sides)))
-    both = _document(sides)["cases"] + _document(sides, multi_rank=True)["cases"]
-    second.write_text(json.dumps({"cases": both}))
+    second.write_text(json.dumps({"runs": [*_document(sides)["runs"], _run("precision-aware", sides)]}))
     out = tmp_path / "report" / "figures"
     markdown = tmp_path / "report" / "figures.md"
     status = figures.main(
@@ -388,16 +358,16 @@ def test_cli_writes_one_png_per_case_and_markdown(figures: Any, tmp_path: Path) 
     )
     assert status == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["dp_reshardable-2.png", "dp_reshardable.png", "precision_aware_bf16.png"]
+    assert names == ["dp-reshardable-2.png", "dp-reshardable.png", "precision-aware.png"]
     lines = [line for line in markdown.read_text().splitlines() if line]
     assert lines == [
-        "![dp_reshardable: allocated GPU memory during the resume](figures/dp_reshardable.png)",
-        "![dp_reshardable: allocated GPU memory during the resume](figures/dp_reshardable-2.png)",
-        "![precision_aware_bf16 (rank 0): allocated GPU memory during the resume]"
-        "(figures/precision_aware_bf16.png)",
+        "![dp-reshardable: allocated GPU memory during the resume](figures/dp-reshardable.png)",
+        "![dp-reshardable: allocated GPU memory during the resume](figures/dp-reshardable-2.png)",
+        "![precision-aware: allocated GPU memory during the resume](figures/precision-aware.png)",
     ]
-    status = figures.main([str(first), "--out-dir", str(tmp_path / "only"), "--cases", "moe"])
-    assert status == 1
+    nothing = tmp_path / "c.json"
+    nothing.write_text(json.dumps({"runs": [_run("moe", {})]}))
+    assert figures.main([str(nothing), "--out-dir", str(tmp_path / "only")]) == 1
 
 
 def test_a_failed_recording_is_noted_not_drawn(figures: Any, tmp_path: Path) -> None:
@@ -409,23 +379,7 @@ def test_a_failed_recording_is_noted_not_drawn(figures: Any, tmp_path: Path) -> 
     nothing = _document({"build": {"error": "RuntimeError: x"}})
     assert figures.write_figures([nothing], tmp_path) == []
     written = figures.write_figures([document], tmp_path)
-    assert [p.name for _, p in written] == ["dp_reshardable.png"]
-
-
-def test_the_megatron_lm_clients_timelines_make_one_figure(figures: Any, tmp_path: Path) -> None:
-    sides = _two_sides()
-    phases = {
-        "uninterrupted": {"parameters": 50_000_000, "load": None},
-        "resume-upstream": {"load": {"baseline_bytes": 1, "memory_timeline": sides["upstream"]}},
-        "resume-build": {"load": {"baseline_bytes": 1, "memory_timeline": {"error": "no CUDA"}}},
-    }
-    (found,) = figures.case_timelines({"phases": phases})
-    assert found.case == "megatron-lm" and list(found.sides) == ["upstream"]
-    assert found.params == 50_000_000 and found.notes == ("build: no timeline (no CUDA)",)
-    phases["resume-build"]["load"]["memory_timeline"] = sides["build"]
-    (path,) = [p for _, p in figures.write_figures([{"phases": phases}], tmp_path)]
-    assert path.name == "megatron-lm.png" and _png_size(path)[0] > 0
-    assert figures.case_timelines({"phases": {"train": {"load": None}}}) == []
+    assert [p.name for _, p in written] == ["dp-reshardable.png"]
 
 
 def test_memory_timeline_imports_neither_torch_nor_matplotlib() -> None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from benchmarks.resume_benchmark import megatron_lm as client
+from benchmarks.resume_benchmark.report import markdown_report, run_markdown
 from benchmarks.resume_benchmark.megatron_lm import ClientUsageError, RunPlan
 
 USER_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--bf16"]
@@ -280,31 +281,29 @@ def _document(deterministic: bool) -> dict[str, object]:
 
 
 def test_markdown_report() -> None:
-    text = client.markdown(_document(True))
+    text = run_markdown(_document(True))
     assert "| upstream | 15,258.8 | 16.00 | 40,000.0 | no | yes | own loader" in text
     assert "| build | 7,629.4 | 8.00 | 30,000.0 | yes | **no** | te_fused_adam_fp32 ×2 |" in text
     assert "identical, tensor by tensor (300 tensors, 1,024.0 MiB compared)" in text
     assert "- --mock-data added" in text
-    assert "Checkpoints saved" not in client.markdown(_document(False))
+    assert "Checkpoints saved" not in run_markdown(_document(False))
     failed = _document(False)
     del failed["phases"]["resume-build"]  # type: ignore[attr-defined]
     failed["loss_differences"] = {}
-    text = client.markdown(failed)
+    text = run_markdown(failed)
     assert "| build | run failed (see the logs) | n/a" in text
     assert "| upstream | 15,258.8 | 16.00 | 40,000.0 | no | n/a | own loader" in text
 
 
-def test_cli_routes_to_the_client_and_refuses_without_cuda(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_the_command_line_refuses_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks.resume_benchmark.__main__ import main
 
     with pytest.raises(SystemExit) as exited:
-        main(["megatron-lm", "--help"])
+        main(["--help"])
     assert exited.value.code == 0 and "pretrain_gpt.py" in capsys.readouterr().out
     if torch.cuda.is_available():
         pytest.skip("the no-CUDA refusal is for machines without a GPU")
-    assert main(["megatron-lm", "--megatron-lm", ".", "--", *USER_ARGS]) == 2
+    assert main(["--megatron-lm", ".", "--", *USER_ARGS]) == 2
     assert "cannot run here" in capsys.readouterr().err
 
 
@@ -333,7 +332,7 @@ def test_committed_h200_results_render_unchanged(mode: str) -> None:
     """docs/gpu-results/session-13-megatron-lm: the report re-renders from its JSON."""
     results = Path(__file__).resolve().parents[1] / "docs/gpu-results/session-13-megatron-lm"
     document = json.loads((results / f"mlm-{mode}.json").read_text())
-    assert client.markdown(document) == (results / f"mlm-{mode}.md").read_text()
+    assert markdown_report(document) == (results / f"mlm-{mode}.md").read_text()
     build = document["phases"]["resume-build"]
     assert build["installed_by"] == "te_fused_adam_fp32 ×2"
     assert document["loss_differences"] == {"upstream": [], "build": []}
@@ -372,7 +371,7 @@ def test_phase_record_takes_the_highest_rank_and_the_exact_losses(tmp_path: Path
     document = _document(False)
     document["phases"]["resume-build"]["rank_load_peaks"] = [800, 1200]  # type: ignore[index]
     assert "build: load peak over pre-load per rank, MiB: 0.0, 0.0 (the table: the highest)." in (
-        client.markdown(document)
+        run_markdown(document)
     )
 
 
@@ -429,29 +428,26 @@ def _fake_megatron_lm(root: Path) -> Path:
     return root
 
 
-def _run_fake_client(tmp_path: Path) -> tuple[int, dict[str, Any], Path]:
+def _run_fake_client(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     from benchmarks.resume_benchmark.driver import Workspace
     from benchmarks.resume_benchmark.sides import Side
 
     tree = _fake_megatron_lm(tmp_path / "Megatron-LM")
-    out = tmp_path / "client.json"
-    argv = ["--megatron-lm", str(tree), "--work-dir", str(tmp_path / "work"), "--train-iters", "4"]
-    argv += ["--resume-at", "2", "--deterministic", "--json-out", str(out), "--", *USER_ARGS]
-    args = client.build_parser().parse_args(argv)
-    workspace = Workspace(args.work_dir)
-    plan = RunPlan(4, 2, True, workspace.path("ckpt"))
-    base, notes = client.base_arguments(USER_ARGS, apex_fusion=False)
+    workspace = Workspace(tmp_path / "work")
     here = Side("build", None, "current environment")
     sides = {"upstream": dataclasses.replace(here, label="upstream"), "build": here}
-    probes = {"build": {"megatron_core": {"version": "0.19.2+stateadoption"}}}
-    status = client.run_client(args, workspace, sides, probes, plan, base, notes)
-    return status, json.loads(out.read_text()), workspace.root
+    setup = client.prepare_setup(
+        sides, "0.19.2+stateadoption", (tree, None, None), workspace, 1, 300.0
+    )
+    plan = RunPlan(4, 2, True, workspace.path("ckpt"))
+    document = client.run_client(setup, workspace, plan, USER_ARGS)
+    return json.loads(json.dumps(document)), workspace.root
 
 
 def test_the_four_runs_end_to_end(tmp_path: Path) -> None:
     """The real orchestration, launcher and probe on the CPU, with a stand-in pretrain_gpt.py."""
-    status, document, work = _run_fake_client(tmp_path)
-    assert status == 0
+    document, work = _run_fake_client(tmp_path)
+    assert client.failed_phases(document) == []
     phases = document["phases"]
     assert list(phases) == ["train", "uninterrupted", "resume-upstream", "resume-build"]
     assert phases["train"]["losses"] == {"1": 10.0, "2": 5.0}
@@ -496,21 +492,20 @@ def test_the_end_to_end_report_shows_resumed_losses_that_differ(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_RESUME_DRIFT", "1")  # inherited by the runs: resumes drift by 0.5
-    status, document, _ = _run_fake_client(tmp_path)
-    assert status == 0
+    document, _ = _run_fake_client(tmp_path)
     assert document["loss_differences"]["build"] == [
         f"3: {float(torch.tensor(10 / 3))} != {float(torch.tensor(10 / 3 + 0.5))}",
         "4: 2.5 != 3.0",
     ]
     assert document["checkpoint_differences"] == []  # both resumes drifted alike
-    assert "| build | n/a | n/a | 2.0 | n/a | **no** |" in client.markdown(document)
+    assert "| build | n/a | n/a | 2.0 | n/a | **no** |" in run_markdown(document)
 
 
 def test_resumes_that_save_nothing_are_reported_not_compared(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_RESUME_SAVES_NOTHING", "1")
-    status, document, _ = _run_fake_client(tmp_path)
-    assert status == 0 and document["checkpoint_differences"] is None
+    document, _ = _run_fake_client(tmp_path)
+    assert document["checkpoint_differences"] is None
     assert "checkpoints not compared: a resume saved none (see its log)" in document["notes"]
-    assert "Checkpoints saved" not in client.markdown(document)
+    assert "Checkpoints saved" not in run_markdown(document)

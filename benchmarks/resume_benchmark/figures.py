@@ -1,17 +1,15 @@
-"""One figure per case: allocated GPU memory over time during the resume, upstream and build.
+"""One figure per configuration: allocated GPU memory over time during the resume, upstream and
+build.
 
 Drawn with matplotlib (Agg, no display) on any machine from the benchmark's JSON document; the
-GPU worker only records the timelines (:mod:`.memory_timeline`, which never imports
-matplotlib). ::
+probe only records the timelines (:mod:`.memory_timeline`, which never imports matplotlib). ::
 
-    python -m benchmarks.resume_benchmark.figures RESULTS.json [MORE.json ...] --out-dir DIR \\
-        [--cases a,b] [--all-ranks] [--markdown-out FILE]
+    python -m benchmarks.resume_benchmark.figures RESULT.json [MORE.json ...] --out-dir DIR \\
+        [--markdown-out FILE]
 
-writes ``DIR/<case>.png`` for every case whose resume sides carry a ``memory_timeline``
-(single-rank entries: ``entry["sides"][side]["memory_timeline"]``; multi-rank entries:
-``entry["rank_sides"][side][i]["memory_timeline"]``, rank 0 only unless ``--all-ranks``, which
-writes ``DIR/<case>.rank<r>.png``), prints the paths, and with ``--markdown-out`` writes Markdown
-image links to them (relative to that file).
+writes ``DIR/<configuration>.png`` for every run whose resumes carry a ``memory_timeline``
+(``phases["resume-<side>"]["load"]["memory_timeline"]``), prints the paths, and with
+``--markdown-out`` writes Markdown image links to them (relative to that file).
 
 Each figure: both sides' allocated bytes over the pre-load baseline against the time since the
 load began, on the same axes (left: MiB or GiB; right: bytes per parameter on the rank when the
@@ -24,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from benchmarks.resume_benchmark.megatron_lm import RESUME_SIDES
+from benchmarks.resume_benchmark.report import run_numbers, runs_of
 from benchmarks.resume_benchmark.memory_timeline import (
     SHORT_PHASE_NAMES,
     iter_levels,
@@ -48,24 +49,14 @@ GIB: Final = float(1 << 30)
 #: A curve peak this far from ``max_memory_allocated() - baseline`` is noted under the title.
 NOTED_PEAK_DIFFERENCE: Final = 1 << 20
 
-#: Cases the Markdown report embeds by default: one FP32 case and the precision-aware case.
-REPORT_CASES: Final[tuple[str, ...]] = (
-    "dp_reshardable",
-    "moe",
-    "precision_aware_bf16",
-    "moe_precision_aware_bf16",
-)
-
 
 @dataclass(frozen=True)
 class CaseTimelines:
-    """The timelines of one figure: one case (one rank of a multi-rank case)."""
+    """The timelines of one figure: the resumes of one configuration (``case``)."""
 
     case: str
     sides: Mapping[str, Mapping[str, Any]]
     params: int | None = None
-    rank: int | None = None
-    multi_rank: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -104,9 +95,7 @@ def render_case_figure(timelines: CaseTimelines, out_path: Path, *, dpi: int = D
     if not sides:
         raise ValueError(f"{timelines.case}: no usable timeline")
     params = timelines.params
-    largest = max(
-        max(abs(v) for _, v in iter_levels(t)) for t in sides.values()
-    )
+    largest = max(max(abs(v) for _, v in iter_levels(t)) for t in sides.values())
     scale, unit = _unit(float(largest))
     end_s = max(max(float(t["points"][-1][0]) for t in sides.values()), 1e-6)
 
@@ -269,8 +258,6 @@ def _phase_key(sides: Mapping[str, Mapping[str, Any]]) -> str:
 
 def _subtitle(timelines: CaseTimelines, sides: Mapping[str, Mapping[str, Any]]) -> str:
     parts = []
-    if timelines.rank is not None and timelines.multi_rank:
-        parts.append(f"rank {timelines.rank}")
     if timelines.params:
         parts.append(f"{timelines.params:,} optimizer parameters on the rank")
     sources = sorted({str(t.get("source")) for t in sides.values()})
@@ -292,47 +279,27 @@ def _subtitle(timelines: CaseTimelines, sides: Mapping[str, Mapping[str, Any]]) 
 # --------------------------------------------------------------------------------------------
 
 
-def case_timelines(document: Mapping[str, Any], *, all_ranks: bool = False) -> list[CaseTimelines]:
-    """Every figure the document can give: cases whose resume sides carry a timeline (one
-    figure for a document of the Megatron-LM client, :mod:`.megatron_lm`)."""
-    if "phases" in document:
-        return _client_timelines(document["phases"])
-    found: list[CaseTimelines] = []
-    for entry in document.get("cases") or []:
-        case = str(entry.get("case"))
-        if "rank_sides" in entry:
-            found += _multi_rank(entry, case, all_ranks)
-            continue
+def case_timelines(document: Mapping[str, Any]) -> list[CaseTimelines]:
+    """One figure per run of the document (:func:`.report.runs_of`) whose resumes recorded a
+    timeline, named after its configuration."""
+    found = []
+    for run in runs_of(document):
+        phases = run["phases"]
         recorded = {
-            label: side["memory_timeline"]
-            for label, side in (entry.get("sides") or {}).items()
-            if isinstance(side, Mapping) and side.get("memory_timeline") is not None
+            side: ((phases.get(f"resume-{side}") or {}).get("load") or {}).get("memory_timeline")
+            for side in RESUME_SIDES
         }
+        recorded = {side: t for side, t in recorded.items() if t is not None}
         if recorded:
             sides, notes = _usable(recorded)
-            params = _params(entry, entry.get("sides") or {})
-            found.append(CaseTimelines(case, sides, params, notes=notes))
+            numbers = run_numbers(run)
+            found.append(CaseTimelines(numbers.name, sides, numbers.elements, notes=notes))
     return found
 
 
-def _client_timelines(phases: Mapping[str, Any]) -> list[CaseTimelines]:
-    recorded = {
-        side: ((phases.get(f"resume-{side}") or {}).get("load") or {}).get("memory_timeline")
-        for side in ("upstream", "build")
-    }
-    recorded = {side: t for side, t in recorded.items() if t is not None}
-    if not recorded:
-        return []
-    sides, notes = _usable(recorded)
-    params = (phases.get("uninterrupted") or {}).get("parameters")
-    return [CaseTimelines("megatron-lm", sides, params, notes=notes)]
-
-
-def _usable(
-    recorded: Mapping[str, Any],
-) -> tuple[dict[str, Mapping[str, Any]], tuple[str, ...]]:
+def _usable(recorded: Mapping[str, Any]) -> tuple[dict[str, Mapping[str, Any]], tuple[str, ...]]:
     """The timelines that can be drawn, and a note per side whose record cannot (e.g. the
-    worker stored ``{"error": ...}`` because recording failed)."""
+    probe stored ``{"error": ...}`` because recording failed)."""
     sides: dict[str, Mapping[str, Any]] = {}
     notes: list[str] = []
     for label, timeline in recorded.items():
@@ -345,64 +312,27 @@ def _usable(
     return sides, tuple(notes)
 
 
-def _multi_rank(entry: Mapping[str, Any], case: str, all_ranks: bool) -> list[CaseTimelines]:
-    by_rank: dict[int, dict[str, Mapping[str, Any]]] = {}
-    records: dict[int, dict[str, Mapping[str, Any]]] = {}
-    for label, per_rank in (entry.get("rank_sides") or {}).items():
-        for side in per_rank or []:
-            rank = int(side.get("rank", 0))
-            if side.get("memory_timeline") is not None and (all_ranks or rank == 0):
-                by_rank.setdefault(rank, {})[label] = side["memory_timeline"]
-                records.setdefault(rank, {})[label] = side
-    found = []
-    for rank, recorded in sorted(by_rank.items()):
-        sides, notes = _usable(recorded)
-        params = _params(entry, records[rank])
-        found.append(CaseTimelines(case, sides, params, rank, multi_rank=True, notes=notes))
-    return found
-
-
-def _params(entry: Mapping[str, Any], sides: Mapping[str, Any]) -> int | None:
-    """Optimizer parameters on the rank: the sides' (when they agree), else the entry's."""
-    counts = {
-        int(s["params_on_rank"])
-        for s in sides.values()
-        if isinstance(s, Mapping) and isinstance(s.get("params_on_rank"), int)
-    }
-    if len(counts) == 1:
-        return counts.pop()
-    value = entry.get("params_on_rank")
-    return int(value) if isinstance(value, int) and not counts else None
-
-
-def figure_name(timelines: CaseTimelines, all_ranks: bool) -> str:
-    """``<case>.png``, or ``<case>.rank<r>.png`` for multi-rank figures with ``--all-ranks``."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in timelines.case)
-    if all_ranks and timelines.multi_rank:
-        return f"{safe}.rank{timelines.rank}.png"
-    return f"{safe}.png"
+def figure_name(timelines: CaseTimelines) -> str:
+    """``<configuration>.png`` (characters outside letters, digits, ``-_.`` as ``_``)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in timelines.case) + ".png"
 
 
 def write_figures(
-    documents: Sequence[Mapping[str, Any]],
-    out_dir: Path,
-    *,
-    cases: Sequence[str] | None = None,
-    all_ranks: bool = False,
+    documents: Sequence[Mapping[str, Any]], out_dir: Path
 ) -> list[tuple[CaseTimelines, Path]]:
-    """Render every case with timelines in ``documents`` into ``out_dir``; repeated names (the
-    same case in several documents) get ``-2``, ``-3`` ... before ``.png``."""
+    """Render every run with timelines in ``documents`` into ``out_dir``; repeated names (the
+    same configuration in several documents) get ``-2``, ``-3`` ... before ``.png``."""
     written: list[tuple[CaseTimelines, Path]] = []
     used: set[str] = set()
     for document in documents:
-        for timelines in case_timelines(document, all_ranks=all_ranks):
-            if cases is not None and timelines.case not in cases:
-                continue
+        for timelines in case_timelines(document):
             if not timelines.sides:
-                print(f"{timelines.case}: nothing to draw ({'; '.join(timelines.notes)})",
-                      file=sys.stderr)
+                print(
+                    f"{timelines.case}: nothing to draw ({'; '.join(timelines.notes)})",
+                    file=sys.stderr,
+                )
                 continue
-            name = figure_name(timelines, all_ranks)
+            name = figure_name(timelines)
             stem, number = name[: -len(".png")], 2
             while name in used:
                 name, number = f"{stem}-{number}.png", number + 1
@@ -411,71 +341,35 @@ def write_figures(
     return written
 
 
-def markdown_images(
-    written: Sequence[tuple[CaseTimelines, Path]],
-    relative_to: Path,
-    *,
-    cases: Sequence[str] | None = REPORT_CASES,
-) -> list[str]:
-    """Markdown lines embedding the figures of ``cases`` (``None``: all), paths relative to the
-    directory ``relative_to`` (where the Markdown file lives)."""
-    lines: list[str] = []
-    for timelines, path in written:
-        if cases is not None and timelines.case not in cases:
-            continue
-        target = _relative(path, relative_to)
-        rank = f" (rank {timelines.rank})" if timelines.multi_rank else ""
-        lines.append(
-            f"![{timelines.case}{rank}: allocated GPU memory during the resume]({target})"
-        )
-    return lines
-
-
-def _relative(path: Path, base: Path) -> str:
-    try:
-        return path.resolve().relative_to(base.resolve()).as_posix()
-    except ValueError:
-        import os
-
-        return Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
+def markdown_images(written: Sequence[tuple[CaseTimelines, Path]], relative_to: Path) -> list[str]:
+    """Markdown lines embedding the figures, paths relative to the directory ``relative_to``
+    (where the Markdown file lives)."""
+    return [
+        f"![{timelines.case}: allocated GPU memory during the resume]"
+        f"({Path(os.path.relpath(path.resolve(), relative_to.resolve())).as_posix()})"
+        for timelines, path in written
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.resume_benchmark.figures RESULTS.json ... --out-dir DIR``."""
+    """``python -m benchmarks.resume_benchmark.figures RESULT.json ... --out-dir DIR``."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.resume_benchmark.figures",
-        description="Draw one PNG per case with memory timelines in benchmark JSON documents.",
+        description="Draw one PNG per configuration with memory timelines in JSON documents.",
     )
     parser.add_argument("documents", nargs="+", type=Path, help="--json-out files of runs")
     parser.add_argument("--out-dir", type=Path, required=True, help="where the PNGs go")
-    parser.add_argument("--cases", help="comma-separated case names (default: every case)")
-    parser.add_argument(
-        "--all-ranks",
-        action="store_true",
-        help="multi-rank cases: one figure per rank (<case>.rank<r>.png), not rank 0 only",
-    )
-    parser.add_argument(
-        "--markdown-out",
-        type=Path,
-        help="write Markdown image links to the figures of --markdown-cases here",
-    )
-    parser.add_argument(
-        "--markdown-cases",
-        default=",".join(REPORT_CASES),
-        help="cases linked in --markdown-out ('all': every case; default: %(default)s)",
-    )
+    parser.add_argument("--markdown-out", type=Path, help="write Markdown image links here")
     args = parser.parse_args(argv)
-    cases = [c for c in args.cases.split(",") if c] if args.cases else None
     documents = [json.loads(path.read_text()) for path in args.documents]
-    written = write_figures(documents, args.out_dir, cases=cases, all_ranks=args.all_ranks)
+    written = write_figures(documents, args.out_dir)
     for _, path in written:
         print(path)
     if not written:
-        print("no case with a memory timeline found", file=sys.stderr)
+        print("no run with a memory timeline found", file=sys.stderr)
         return 1
     if args.markdown_out:
-        linked = None if args.markdown_cases == "all" else args.markdown_cases.split(",")
-        lines = markdown_images(written, args.markdown_out.parent, cases=linked)
+        lines = markdown_images(written, args.markdown_out.parent)
         args.markdown_out.write_text("".join(line + "\n\n" for line in lines))
     return 0
 

@@ -32,29 +32,19 @@ a ``megatron/core/datasets`` directory holding the prebuilt ``helpers_cpp`` and 
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from benchmarks.resume_benchmark.results import installed_by_text
 from benchmarks.resume_benchmark.driver import PhaseOutcome, Workspace, report_failure, run_phase
-from benchmarks.resume_benchmark.cli import (
-    EXIT_CANNOT_RUN,
-    EXIT_CRASH,
-    cannot_run_message,
-    check_cuda,
-    prepare_sides,
-)
-from benchmarks.resume_benchmark.results import eprint, progress, write_json
+from benchmarks.resume_benchmark.results import installed_by_text, progress
 from benchmarks.resume_benchmark.sides import Side
 
 SCRIPT: Final = "pretrain_gpt.py"
@@ -254,6 +244,35 @@ def prepare_client(
     return origin, release
 
 
+#: Where :func:`clone_release` fetches Megatron-LM from.
+MEGATRON_LM_URL: Final = "https://github.com/NVIDIA/Megatron-LM.git"
+
+
+def clone_release(cache_dir: Path, ref: str) -> Path:
+    """A shallow bare clone of Megatron-LM's branch ``ref`` under ``cache_dir`` (reused when
+    present); its git directory, for :func:`prepare_client`.
+
+    Raises:
+        ClientUsageError: when git cannot clone (no network: give a checkout instead).
+    """
+    git_dir = cache_dir / f"Megatron-LM-{ref}.git"
+    if (git_dir / "HEAD").is_file():
+        return git_dir
+    progress(f"cloning Megatron-LM {ref} from {MEGATRON_LM_URL} into {git_dir}")
+    cloned = subprocess.run(
+        ["git", "clone", "--bare", "--depth", "1", "--branch", ref, MEGATRON_LM_URL, str(git_dir)],
+        capture_output=True,
+        text=True,
+    )
+    if cloned.returncode != 0:
+        shutil.rmtree(git_dir, ignore_errors=True)
+        raise ClientUsageError(
+            f"could not clone Megatron-LM {ref} ({cloned.stderr.strip().splitlines()[-1:]}); "
+            "give a checkout with --megatron-lm DIR or a repository with --megatron-lm-git DIR"
+        )
+    return git_dir
+
+
 def tree_release(root: Path) -> str | None:
     """``MAJOR.MINOR`` from a Megatron-LM tree's ``megatron/core/package_info.py``."""
     info = root / "megatron" / "core" / "package_info.py"
@@ -288,11 +307,6 @@ def major_minor(version: str) -> str:
 def release_branch(version: str) -> str:
     """Megatron-LM's release branch for megatron-core ``version`` (``0.19.2+x`` -> core_r0.19.0)."""
     return f"core_r{major_minor(version)}.0"
-
-
-def script_arguments(args: argparse.Namespace) -> list[str]:
-    """The ``pretrain_gpt.py`` arguments of the parsed client command line (after ``--``)."""
-    return [a for a in args.script_args if a != "--"]
 
 
 def console_losses(log_text: str) -> dict[int, str]:
@@ -468,203 +482,125 @@ def compare_torch_dist(
     return compared
 
 
-_MIB = float(1 << 20)
+_OPTIMIZER_ELEMENTS = re.compile(r"\(\d+ params, ([\d,]+) elements\)$")
 
 
-def markdown(document: Mapping[str, Any]) -> str:
-    """The client's report table and notes."""
-    plan, records = document["plan"], document["phases"]
-    control = records.get("uninterrupted") or {}
-    params = control.get("parameters")
-    training_peak = control.get("max_allocated_bytes")
-    mode = "yes" if plan["deterministic"] else "no"
-    lines = [
-        f"Megatron-LM `{SCRIPT}` from {document['megatron_lm']}; iterations "
-        f"1..{plan['train_iters']}, resumed at {plan['resume_at']}; deterministic mode: {mode}; parameters (rank 0): "
-        + (f"{params:,}" if params else "unknown"),
-        "",
-        "| side | load peak over pre-load, MiB | B/param | max allocated after iteration "
-        f"{plan['resume_at'] + 1} (Megatron), MiB | ≤ uninterrupted training peak | losses "
-        f"{plan['resume_at'] + 1}..{plan['train_iters']} equal | state installed by |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for side in RESUME_SIDES:
-        record = records.get(f"resume-{side}") or {}
-        peak = record.get("load_peak_over_baseline")
-        report = record.get("first_memory_report")
-        within = None if not report or not training_peak else report[1] * _MIB <= training_peak
-        differences = document["loss_differences"].get(side)
-        if not record:
-            lines.append(
-                f"| {side} | " + " | ".join(["run failed (see the logs)"] + ["n/a"] * 5) + " |"
-            )
-            continue
-        cells = [
-            side,
-            f"{peak / _MIB:,.1f}" if peak is not None else "n/a",
-            f"{peak / params:.2f}" if peak is not None and params else "n/a",
-            f"{report[1]:,.1f}" if report else "n/a",
-            {None: "n/a", True: "yes", False: "no"}[within],
-            "n/a" if differences is None else "**no**" if differences else "yes",
-            record.get("installed_by") or "own loader (no outcomes recorded)",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    if training_peak:
-        lines.append(f"\nUninterrupted run's training peak: {training_peak / _MIB:,.1f} MiB.")
-    for side in RESUME_SIDES:
-        rises = (records.get(f"resume-{side}") or {}).get("rank_load_peaks") or []
-        if len(rises) > 1:
-            shown = ", ".join("n/a" if r is None else f"{r / _MIB:,.1f}" for r in rises)
-            lines.append(
-                f"{side}: load peak over pre-load per rank, MiB: {shown} (the table: the highest)."
-            )
-    saved, counted = document.get("checkpoint_differences"), document.get("checkpoint_compared")
-    if saved is not None:
-        verdict = (
-            "identical, tensor by tensor" if not saved else f"{len(saved)} differ: {saved[:5]}"
-        )
-        if counted:
-            verdict += (
-                f" ({counted['tensors']:,} tensors, {counted['bytes'] / _MIB:,.1f} MiB compared)"
-            )
-        lines.append(
-            f"Checkpoints saved at iteration {plan['train_iters']} by the two resumes: {verdict}."
-        )
-    lines += ["", "What the client added:", *(f"- {note}" for note in document["notes"])]
-    return "\n".join(lines) + "\n"
+def optimizer_elements(outcomes: Sequence[Mapping[str, Any]] | None) -> int | None:
+    """Elements of the inner optimizers whose loads the outcomes name (each counted once):
+    the optimizer state a rank holds, e.g. 1/DP of the model with the distributed optimizer."""
+    described = {str(o.get("optimizer")) for o in outcomes or [] if o.get("hook_point") == "load"}
+    counts = [m[1] for m in map(_OPTIMIZER_ELEMENTS.search, described) if m]
+    return sum(int(c.replace(",", "")) for c in counts) if counts else None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The client's command line (its own arguments; ``pretrain_gpt.py``'s follow ``--``)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.resume_benchmark megatron-lm",
-        description="Resume Megatron-LM's pretrain_gpt.py with upstream and with the build.",
-        epilog="Everything after -- goes to pretrain_gpt.py.",
+@dataclass(frozen=True)
+class ClientSetup:
+    """What every configuration of one invocation shares: the sides, the Megatron-LM training
+    code (``client``, described by ``origin``), the ``make`` shim and the launch settings."""
+
+    sides: Mapping[str, Side]
+    client: Path
+    origin: str
+    notes: tuple[str, ...]
+    bin_dir: Path
+    nproc: int
+    timeout_s: float
+
+
+def prepare_setup(
+    sides: Mapping[str, Side],
+    build_version: str,
+    source: tuple[Path | None, Path | None, str | None],
+    workspace: Workspace,
+    nproc: int,
+    timeout_s: float,
+) -> ClientSetup:
+    """Copy the client tree, write the ``make`` shim, and note both (and a release mismatch).
+
+    Args:
+        sides: ``upstream`` and ``build``.
+        build_version: the build's megatron-core version (it names the default release branch).
+        source: a checkout, or a git directory and a ref (None: :func:`release_branch`).
+        workspace: where the tree and the shim go.
+        nproc: ranks per launch; timeout_s: seconds per launch.
+    """
+    checkout, git_dir, ref = source
+    client = workspace.path("megatron-lm-client")
+    origin, release = prepare_client(
+        checkout, git_dir, ref or release_branch(build_version), client
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout")
-    source.add_argument("--megatron-lm-git", type=Path, help="a Megatron-LM git directory")
-    parser.add_argument("--ref", help="with --megatron-lm-git (default: the build's core_rX.Y.0)")
-    parser.add_argument("--upstream", type=Path, help="upstream megatron-core: DIR or WHEEL")
-    parser.add_argument("--build", type=Path, help="the build: DIR or WHEEL (default: installed)")
-    parser.add_argument("--cache-dir", type=Path)
-    parser.add_argument("--work-dir", type=Path, help="logs, TensorBoard, checkpoints")
-    parser.add_argument("--train-iters", type=int, default=10)
-    parser.add_argument("--resume-at", type=int, default=5)
-    parser.add_argument("--deterministic", action="store_true", help="--deterministic-mode")
-    parser.add_argument("--nproc-per-node", type=int, default=1)
-    parser.add_argument("--worker-timeout", type=float, default=1800.0)
-    parser.add_argument("--json-out", type=Path)
-    parser.add_argument("--markdown-out", type=Path)
-    parser.add_argument(
-        "--allow-non-stateadoption-build", action="store_true", help=argparse.SUPPRESS
-    )
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
-    return parser
+    notes = [note] if (note := release_note(release, build_version)) else []
+    bin_dir = write_make_shim(workspace.root)
+    notes.append(f"`make` on PATH from {bin_dir}: succeeds for a prebuilt helpers_cpp directory")
+    return ClientSetup(sides, client, origin, tuple(notes), bin_dir, nproc, timeout_s)
 
 
 def _launch(
-    workspace: Workspace, side: Side, phase: str, args: Sequence[str], client: Path,
-    env: Mapping[str, str], nproc: int, timeout: float,
-) -> PhaseOutcome:  # fmt: skip
+    setup: ClientSetup, workspace: Workspace, label: str, phase: str, args: Sequence[str]
+) -> PhaseOutcome:
     result = workspace.path(f"{phase}.result.json")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-        str(nproc), "-m", PROBE_MODULE, "--client", str(client), "--result", str(result),
-        SCRIPT, *args,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3", "--nproc-per-node",
+        str(setup.nproc), "-m", PROBE_MODULE, "--client", str(setup.client),
+        "--result", str(result), SCRIPT, *args,
     ]  # fmt: skip
-    progress(f"megatron-lm {phase} ({side.label} side, {nproc} rank(s))")
+    progress(f"{workspace.root.name} {phase} ({label} side, {setup.nproc} rank(s))")
+    env = {"PATH": f"{setup.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     outcome = run_phase(
-        workspace, side, phase, phase, None, timeout, nproc, command=command, env=env
+        workspace, setup.sides[label], phase, command, setup.timeout_s, setup.nproc, env
     )
     if not outcome.ok:
-        report_failure(outcome, f"megatron-lm {phase}")
+        report_failure(outcome, f"{workspace.root.name} {phase}")
     return outcome
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the four phases and print the report; 0 when every phase ran, else 1 (2: usage)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    missing = check_cuda()
-    if missing is not None:
-        eprint(cannot_run_message(missing))
-        return EXIT_CANNOT_RUN
-    workspace = Workspace(args.work_dir or Path(tempfile.mkdtemp(prefix="megatron-lm-resume-")))
-    try:
-        plan = RunPlan(args.train_iters, args.resume_at, args.deterministic, workspace.path("ckpt"))
-        base, notes = base_arguments(script_arguments(args), apex_fusion_available())
-    except ClientUsageError as exc:
-        parser.error(str(exc))
-    prepared = prepare_sides(args, workspace)
-    if isinstance(prepared, int):
-        return prepared
-    return run_client(args, workspace, *prepared, plan, base, notes)
-
-
 def run_client(
-    args: argparse.Namespace,
-    workspace: Workspace,
-    sides: Mapping[str, Side],
-    probes: Mapping[str, Mapping[str, Any]],
-    plan: RunPlan,
-    base: Sequence[str],
-    notes: list[str],
-) -> int:
-    """The four runs, the report and its files; 0 when every run exited 0, else 1.
+    setup: ClientSetup, workspace: Workspace, plan: RunPlan, script_args: Sequence[str]
+) -> dict[str, Any]:
+    """The four runs of one configuration and their comparison: the run's JSON document.
 
     Args:
-        args: the client's parsed command line.
-        workspace: logs, TensorBoard files and checkpoints.
-        sides: ``upstream`` and ``build``; probes: the build's ``megatron_core`` record.
+        setup: the sides, the client tree and the launch settings.
+        workspace: this configuration's logs, TensorBoard files and checkpoints.
         plan: iterations and the checkpoint directory.
-        base: the ``pretrain_gpt.py`` arguments every run gets (:func:`base_arguments`).
-        notes: what was added to them, for the report.
+        script_args: the ``pretrain_gpt.py`` arguments (:func:`base_arguments` adds to them).
+
+    Raises:
+        ClientUsageError: for arguments the client cannot run (:func:`base_arguments`).
     """
-    ref = args.ref or release_branch(probes["build"]["megatron_core"]["version"])
-    client = workspace.path("megatron-lm-client")
-    origin, release = prepare_client(args.megatron_lm, args.megatron_lm_git, ref, client)
-    mismatch = release_note(release, probes["build"]["megatron_core"]["version"])
-    if mismatch:
-        notes.append(mismatch)
-    bin_dir = write_make_shim(workspace.root)
-    notes.append(f"`make` on PATH from {bin_dir}: succeeds for a prebuilt helpers_cpp directory")
-    for note in notes:
-        progress(f"megatron-lm: {note}")
-    env_extra = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    base, added = base_arguments(script_args, apex_fusion_available())
+    notes = [*added, *setup.notes]
+    for note in added:
+        progress(f"{workspace.root.name}: {note}")
     records: dict[str, PhaseRecord] = {}
     phases = [("train", "build"), ("uninterrupted", "build")]
     phases += [(f"resume-{side}", side) for side in RESUME_SIDES]
     for phase, label in phases:
         phase_args = phase_arguments(base, phase, plan, workspace.root)
-        outcome = _launch(
-            workspace, sides[label], phase, phase_args, client, env_extra,
-            args.nproc_per_node, args.worker_timeout,
-        )  # fmt: skip
+        outcome = _launch(setup, workspace, label, phase, phase_args)
         records[phase] = phase_record(phase, label, outcome, workspace.path(f"tensorboard-{phase}"))
-        for problem in module_problems(records[phase], client, sides[label]):
-            progress(f"megatron-lm: {problem}")
+        for problem in module_problems(records[phase], setup.client, setup.sides[label]):
+            progress(f"{workspace.root.name}: {problem}")
             notes.append(problem)
         if phase == "train" and not outcome.ok:
             break
     after = range(plan.resume_at + 1, plan.train_iters + 1)
     control = records.get("uninterrupted")
-    differences = {
-        side: loss_differences(control.losses, records[f"resume-{side}"].losses, after)
-        for side in RESUME_SIDES
-        if control is not None and control.exit_code == 0 and f"resume-{side}" in records
-    }
     document: dict[str, Any] = {
-        "megatron_lm": origin,
-        "script_args": script_arguments(args),
+        "megatron_lm": setup.origin,
+        "script_args": list(script_args),
         "plan": {**asdict(plan), "checkpoint": str(plan.checkpoint)},
         "notes": notes,
-        "sides": {label: side.to_json() for label, side in sides.items()},
+        "sides": {label: side.to_json() for label, side in setup.sides.items()},
         "phases": {
             name: {**asdict(r), "load_peak_over_baseline": r.load_peak_over_baseline}
             for name, r in records.items()
         },
-        "loss_differences": differences,
+        "loss_differences": {
+            side: loss_differences(control.losses, records[f"resume-{side}"].losses, after)
+            for side in RESUME_SIDES
+            if control is not None and control.exit_code == 0 and f"resume-{side}" in records
+        },
         "checkpoint_differences": None,
     }
     saved = [
@@ -676,16 +612,13 @@ def run_client(
         comparison = compare_torch_dist(saved[0], saved[1])
         document["checkpoint_differences"] = comparison.differences
         document["checkpoint_compared"] = {"tensors": comparison.tensors, "bytes": comparison.bytes}
-    text = markdown(document)
-    print(text, flush=True)
-    if args.json_out:
-        write_json(args.json_out, document)
-    if args.markdown_out:
-        args.markdown_out.write_text(text)
     for checkpoint in (plan.checkpoint, *(workspace.path(f"saved-{p}") for p, _ in phases[2:])):
         shutil.rmtree(checkpoint, ignore_errors=True)  # each is the size of the training state
-    failed = [name for name, r in records.items() if r.exit_code != 0]
-    if failed:
-        eprint(f"megatron-lm: runs failed: {', '.join(failed)} (logs in {workspace.root})")
-        return EXIT_CRASH
-    return 0
+    return document
+
+
+def failed_phases(document: Mapping[str, Any]) -> list[str]:
+    """The runs of a configuration's document that did not exit 0, or that never ran."""
+    phases = document.get("phases") or {}
+    expected = ["train", "uninterrupted", *(f"resume-{side}" for side in RESUME_SIDES)]
+    return [p for p in expected if (phases.get(p) or {}).get("exit_code", 1) != 0]

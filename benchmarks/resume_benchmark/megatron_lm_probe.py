@@ -32,7 +32,7 @@ from pathlib import Path
 from types import CodeType
 from typing import Any
 
-from benchmarks.resume_benchmark.launch import rank_result_path
+from benchmarks.resume_benchmark.driver import rank_result_path
 from benchmarks.resume_benchmark.memory_timeline import (
     LoadTimeline,
     finished_timeline,

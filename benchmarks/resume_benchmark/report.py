@@ -1,10 +1,13 @@
-"""The benchmark's Markdown table and JSON document, and merging the documents of several runs.
+"""The benchmark's report: one table over every configuration of a run, each configuration's
+detail, and what ``--check`` holds the build to. Pure Python; re-renders a JSON document::
 
-One row per case, side and rank: the control's ranks, then upstream's, then the build's. A
-``rank`` column and the layout in the case cell (e.g. ``moe (2 DistributedOptimizers) [TP 1,
-EP 2, DP 2]``) appear only when some case ran on more than one rank. Optional columns appear
-only when some row has their value: ``state installed by`` (a resume recorded
-``state_adoption``) and ``load peak ≤ step N+1 peak``.
+    python -m benchmarks.resume_benchmark.report RESULT.json [MORE.json ...] \\
+        [--markdown-out FILE] [--json-out MERGED.json]
+
+Several documents of the same two sides (e.g. configurations run side by side) merge into one.
+
+A document is one invocation (``{"environment", "sides", "runs": [...]}``) or a single run of the
+Megatron-LM client (one entry of ``runs``; e.g. docs/gpu-results/session-13-megatron-lm).
 """
 
 from __future__ import annotations
@@ -12,376 +15,305 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from benchmarks.resume_benchmark.results import adopters_text, installed_by_text, load_outcomes
-from benchmarks.resume_benchmark.launch import ParallelLayout
+from benchmarks.resume_benchmark.configs import FP32_MOMENT_PAIR_BYTES, Expectation
+from benchmarks.resume_benchmark.configs import extra_adopters
+from benchmarks.resume_benchmark.megatron_lm import RESUME_SIDES, SCRIPT, failed_phases
+from benchmarks.resume_benchmark.megatron_lm import optimizer_elements
+from benchmarks.resume_benchmark.results import adopters_that_handled, write_json
 
-MIB = float(1 << 20)
-_DASH = "—"
+#: Tolerance of "bytes avoided equals the expectation": max(relative, absolute).
+AVOIDED_RELATIVE_TOLERANCE: Final = 0.01
+ABSOLUTE_TOLERANCE: Final = 1 << 20
 
-_CASE, _SIDE, _RANK = "case", "side", "rank"
-_VERSION, _PARAMS, _BASELINE = "megatron-core", "params on rank", "pre-load baseline MiB"
-_PEAK, _OVER, _PER_PARAM = "load peak MiB", "peak − baseline MiB", "B/param over baseline"
-_AVOIDED, _RATIO = "avoided vs upstream MiB", "avoided ÷ (8 B × params)"
-_INSTALLED, _TRAIN_PEAK = "state installed by", "train peak MiB (steps 1–N)"
-_STEP_PEAK, _WITHIN = "step N+1 peak MiB", "load peak ≤ step N+1 peak"
-_LOAD_S, _RESTORED, _NEXT = "load s", "restored state equal", "next step equal"
-
-#: Every column, in table order.
-_COLUMNS = (
-    _CASE, _SIDE, _RANK, _VERSION, _PARAMS, _BASELINE, _PEAK, _OVER, _PER_PARAM, _AVOIDED,
-    _RATIO, _INSTALLED, _TRAIN_PEAK, _STEP_PEAK, _WITHIN, _LOAD_S, _RESTORED, _NEXT,
-)  # fmt: skip
-
-#: Columns shown only when some row has a value for them.
-_OPTIONAL = frozenset({_RANK, _INSTALLED, _WITHIN})
-
-#: The ratio cell of a build row whose saving is not predicted.
-NOT_PREDICTED = "not predicted (extra adopters)"
-
-Row = dict[str, Any]
+_MIB = float(1 << 20)
+_TITLE = "# Resume memory in Megatron-LM's `pretrain_gpt.py`: upstream megatron-core vs. the build"
 
 
-def _mib(value: Any) -> str:
-    return _DASH if value is None else f"{value / MIB:,.1f}"
+def runs_of(document: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The configurations' run documents of an invocation (a single run: itself)."""
+    return list(document["runs"]) if "runs" in document else [document]
 
 
-def _yes(value: Any) -> str:
-    if value is None:
-        return _DASH
-    return "yes" if value else "**NO**"
+@dataclass(frozen=True)
+class RunNumbers:
+    """What the report and ``--check`` read from one run document.
 
-
-def _markdown_row(cells: Iterable[Any]) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def _layout(entry: Mapping[str, Any]) -> ParallelLayout:
-    return ParallelLayout.from_json(entry["parallel"])
-
-
-def _layout_text(entry: Mapping[str, Any]) -> str:
-    """`` [TP 1, EP 2, DP 2 → 1]`` for an entry on several ranks; empty on one rank."""
-    if _layout(entry).single_rank:
-        return ""
-    par = entry["parallel"]
-    dp = f"DP {par['data_parallel_size']}"
-    if par["resharded"]:
-        dp += f" → {par['resume_data_parallel_size']}"
-    return (
-        f" [TP {par['tensor_model_parallel_size']}, EP {par['expert_model_parallel_size']}, {dp}]"
-    )
-
-
-def _case_name(entry: Mapping[str, Any]) -> str:
-    """The case cell: name, DistributedOptimizer count when chained, the instance-level loader
-    when one was installed, layout on several ranks."""
-    notes = []
-    optimizers = len(entry.get("inner_optimizers") or [])
-    if optimizers > 1:
-        notes.append(f"{optimizers} DistributedOptimizers")
-    if entry.get("instance_loader"):
-        notes.append(f"{entry['instance_loader']} instance loader")
-    name = str(entry["case"]) + (f" ({', '.join(notes)})" if notes else "")
-    return name + _layout_text(entry)
-
-
-def _failed_control_row(
-    name: str, control: Mapping[str, Any], params: int | None, entry: Mapping[str, Any]
-) -> Row:
-    """The row of a control rank that failed or whose format cannot be saved."""
-    return {
-        _CASE: name,
-        _SIDE: "control",
-        _RANK: control.get("rank", _DASH),
-        _VERSION: control.get("megatron_core", {}).get("version", _DASH),
-        _PARAMS: _DASH if params is None else f"{params:,}",
-        _BASELINE: entry.get("detail") or entry["status"],
-        _TRAIN_PEAK: _mib(control.get("train_peak_bytes")),
-    }
-
-
-def _control_row(name: str, control: Mapping[str, Any]) -> Row:
-    """The uninterrupted run's row of one rank."""
-    return {
-        _CASE: name,
-        _SIDE: "control (uninterrupted)",
-        _RANK: control["rank"],
-        _VERSION: control["megatron_core"]["version"],
-        _PARAMS: f"{control['params_on_rank']:,}",
-        _TRAIN_PEAK: _mib(control["train_peak_bytes"]),
-        _STEP_PEAK: _mib(control.get("next_step_peak_bytes")),
-    }
-
-
-def _side_row(
-    name: str,
-    label: str,
-    side: Mapping[str, Any],
-    saving: Mapping[str, Any] | None,
-    equal_notes: tuple[str, str],
-) -> Row:
-    """A resume row; ``saving`` (build rows only) holds the bytes avoided versus upstream.
-
-    ``equal_notes`` are appended to the two equality cells (resharded rows say what they
-    compare).
+    ``elements``: the optimizer state on the rank (the build's outcomes), else Megatron's
+    parameter count; ``expected``: the bytes the build should avoid (None: not predicted).
     """
-    row: Row = {_CASE: name, _SIDE: label, _RANK: side["rank"]}
-    if side["status"] != "ok":
-        status = side["status"] + (f": {side['error']}" if side.get("error") else "")
-        return {**row, _BASELINE: status}
-    params = side["params_on_rank"]
-    row.update(
-        {
-            _VERSION: side["megatron_core"]["version"],
-            _PARAMS: f"{params:,}",
-            _BASELINE: _mib(side["baseline_bytes"]),
-            _PEAK: _mib(side["load_peak_bytes"]),
-            _OVER: _mib(side["load_over_baseline_bytes"]),
-            _PER_PARAM: f"{side['load_over_baseline_bytes_per_param']:.2f}",
-            _AVOIDED: _mib(saving.get("bytes_avoided")) if saving is not None else _DASH,
-            _RATIO: _ratio_cell(saving, params),
-            _STEP_PEAK: _mib(side["next_step_peak_bytes"]),
-            _LOAD_S: f"{side['load_seconds']:.2f}",
-            _RESTORED: _yes(side["restored_state_equal"]) + equal_notes[0],
-            _NEXT: _yes(side["next_step_equal"]) + equal_notes[1],
-        }
+
+    name: str
+    parameters: int | None
+    elements: int | None
+    training_peak: int | None
+    rises: Mapping[str, int | None]
+    reports: Mapping[str, float | None]
+    avoided: int | None
+    expected: int | None
+    expectation: Expectation | None
+    extra: tuple[str, ...]
+
+
+def run_numbers(run: Mapping[str, Any]) -> RunNumbers:
+    """The :class:`RunNumbers` of a run document."""
+    phases = run["phases"]
+    sides = {side: phases.get(f"resume-{side}") or {} for side in RESUME_SIDES}
+    control = phases.get("uninterrupted") or {}
+    configuration = run.get("configuration") or {}
+    expectation = (
+        Expectation[configuration["expectation"]] if configuration.get("expectation") else None
     )
-    calls = side["instance_loader"]["calls"] if "instance_loader" in side else None
-    if "state_adoption" in side or calls is not None:
-        row[_INSTALLED] = installed_by_text(side.get("state_adoption"), calls) or _DASH
-    if "load_peak_within_training_peak" in side:
-        row[_WITHIN] = _yes(side["load_peak_within_training_peak"])
-    return row
+    build_adoption = {"outcomes": sides["build"].get("outcomes")}
+    extra = extra_adopters(adopters_that_handled([build_adoption]))
+    parameters = control.get("parameters")
+    elements = optimizer_elements(sides["build"].get("outcomes")) or parameters
+    rises = {side: record.get("load_peak_over_baseline") for side, record in sides.items()}
+    avoided = None
+    if rises["upstream"] is not None and rises["build"] is not None:
+        avoided = rises["upstream"] - rises["build"]
+    expected = None
+    if expectation is not None and not extra and elements:
+        adopts = expectation is Expectation.ADOPTS
+        expected = FP32_MOMENT_PAIR_BYTES * elements if adopts else 0
+    return RunNumbers(
+        name=str(configuration.get("name") or "megatron-lm"),
+        parameters=parameters,
+        elements=elements,
+        training_peak=control.get("max_allocated_bytes"),
+        rises=rises,
+        reports={s: (r.get("first_memory_report") or [None, None])[1] for s, r in sides.items()},
+        avoided=avoided,
+        expected=expected,
+        expectation=expectation,
+        extra=extra,
+    )
 
 
-def _ratio_cell(saving: Mapping[str, Any] | None, params: int) -> str:
-    """Avoided ÷ expected; ``expected 0``; or, not predicted, the bytes avoided per parameter."""
-    if saving is None:
-        return _DASH
-    if "bytes_avoided" in saving and saving.get("expected_bytes_avoided") is None:
-        per_param = f"{saving['bytes_avoided'] / params:.2f}" if params else _DASH
-        return f"{NOT_PREDICTED}; avoided {per_param} B/param"
-    if saving.get("expected_bytes_avoided") == 0:
-        return "expected 0"
-    ratio = saving.get("bytes_avoided_ratio")
-    return f"{ratio:.4f}" if ratio is not None else _DASH
-
-
-def _entry_rows(entry: Mapping[str, Any]) -> list[Row]:
-    """Rows of one (current-shape) entry: control ranks, then upstream's, then the build's."""
-    name = _case_name(entry)
-    controls = entry.get("controls")
-    if controls is None:
-        return [_failed_control_row(name, {}, None, entry)]
-    if "rank_sides" not in entry:
-        return [_failed_control_row(name, c, c["params_on_rank"], entry) for c in controls]
-    rows = [_control_row(name, c) for c in controls]
-    resharded = entry["parallel"]["resharded"]
-    savings = {r["rank"]: r for r in entry.get("ranks") or []}
-    for label, per_rank in entry["rank_sides"].items():
-        notes = (" (gathered)", " (= upstream)" if label == "build" else "") if resharded else ("", "")
-        for side in per_rank:
-            saving = savings.get(side["rank"], {}) if label == "build" else None
-            rows.append(_side_row(name, label, side, saving, notes))
-    return rows
-
-
-def _resume_sides(entry: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """``(side label, side record)`` of every resume rank of one (current-shape) entry."""
-    return [(label, s) for label, per_rank in (entry.get("rank_sides") or {}).items() for s in per_rank]
-
-
-def _adoption_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The registered adopters per side (with the cases when runs differ) and the cases whose
-    saving is not predicted."""
-    registered: dict[str, dict[str, list[str]]] = {}
-    for entry in cases:
-        for label, side in _resume_sides(entry):
-            if "state_adoption" in side:
-                text = adopters_text(side["state_adoption"].get("adopters"))
-                names = registered.setdefault(label, {}).setdefault(text, [])
-                if entry["case"] not in names:
-                    names.append(entry["case"])
-    parts = []
-    for label, texts in registered.items():
-        if len(texts) == 1:
-            parts.append(f"{label}: {next(iter(texts))}")
-        else:
-            parts.append(
-                f"{label}: " + "; ".join(f"{t} ({', '.join(c)})" for t, c in texts.items())
+def expectation_problems(run: Mapping[str, Any]) -> list[str]:
+    """Why a run misses what ``--check`` requires (empty: it meets it): every phase ran, equal
+    losses and checkpoints, the predicted saving, and with ``ADOPTS`` the default adopter on the
+    build side and its first report within the uninterrupted run's training peak."""
+    numbers = run_numbers(run)
+    problems = [f"{phase} failed or did not run" for phase in failed_phases(run)]
+    for side, differences in (run.get("loss_differences") or {}).items():
+        if differences:
+            problems.append(f"{side}: losses differ from the uninterrupted run: {differences[:3]}")
+    if run.get("checkpoint_differences"):
+        problems.append(f"saved checkpoints differ: {run['checkpoint_differences'][:3]}")
+    if numbers.expected is not None:
+        tolerance = max(AVOIDED_RELATIVE_TOLERANCE * numbers.expected, ABSOLUTE_TOLERANCE)
+        if numbers.avoided is None or abs(numbers.avoided - numbers.expected) > tolerance:
+            problems.append(
+                f"avoided {_mib(numbers.avoided)} MiB, expected {_mib(numbers.expected)} MiB"
             )
-    lines = ["- state adopters registered at resume: " + "; ".join(parts)] if parts else []
-    notes: dict[str, list[str]] = {}
-    for entry in cases:
-        if entry.get("expected_saving_note"):
-            notes.setdefault(entry["expected_saving_note"], []).append(entry["case"])
-    lines += [f"- expected saving of {', '.join(c)}: {note}." for note, c in notes.items()]
-    return lines
+    if numbers.expectation is Expectation.ADOPTS and not numbers.extra:
+        installed = (run["phases"].get("resume-build") or {}).get("installed_by") or ""
+        if "te_fused_adam_fp32" not in installed:
+            problems.append(f"the build's state was installed by {installed or 'nothing recorded'}")
+        report, peak = numbers.reports["build"], numbers.training_peak
+        if report is None or peak is None or report * _MIB > peak + ABSOLUTE_TOLERANCE:
+            problems.append(
+                f"the build's max allocated after the first resumed iteration ({report} MiB) "
+                f"exceeds the uninterrupted training peak ({_mib(peak)} MiB)"
+            )
+    return [f"{numbers.name}: {problem}" for problem in problems]
 
 
-def _instance_loader_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
-    """What the instance-level loader was, and what the build did with it: the reasons its
-    adopters declined (builds that asked them) and the own method that ran and why (builds
-    whose outcomes name it, which leave such an instance to its method without asking)."""
-    lines = []
-    for entry in cases:
-        if not entry.get("instance_loader"):
-            continue
-        builds = [s for label, s in _resume_sides(entry) if label == "build"]
-        loads = [o for side in builds for o in load_outcomes(side.get("state_adoption"))]
-        reasons = sorted(
-            {f"{name}: {reason}" for o in loads for name, reason in o.get("declines") or []}
-        )
-        ran = sorted(
-            {f"{o['method']} ({o.get('fallback_reason')})" for o in loads
-             if o.get("method") and not o.get("adopter")}
-        )  # fmt: skip
-        parts = [] if ran and not reasons else [
-            "build declines: " + ("; ".join(reasons) or "none recorded")
-        ]
-        parts += ["build ran " + "; ".join(ran)] if ran else []
-        lines.append(
-            f"- {_case_name(entry)}: a {entry['instance_loader']} instance-level load_state_dict "
-            "(PyTorch's loader only) was set on every inner FusedAdam for each resume's load, both "
-            "sides; " + "; ".join(parts)
-        )
-    return lines
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / _MIB:,.1f}"
 
 
-def _check_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per case that ``--check`` fails, with every reason."""
-    return [
-        f"- **expectation missed** by {_case_name(entry)}: " + "; ".join(entry["failed_expectations"])
-        for entry in cases
-        if entry.get("failed_expectations")
-    ]
-
-
-def _ranks_text(settings: Mapping[str, Any]) -> str:
-    """``one rank``, or the run's layout."""
-    par = settings.get("parallel")
-    if not par or ParallelLayout.from_json(par).single_rank:
-        return "one rank"
-    text = (
-        f"{par['nproc_per_node']} rank(s) per phase, TP {par['tensor_model_parallel_size']}, "
-        f"EP {par['expert_model_parallel_size']}, DP {par['data_parallel_size']}"
+def _yes_no(differences: Sequence[str] | None) -> str:
+    return (
+        "n/a" if differences is None else f"**no** ({len(differences)})" if differences else "yes"
     )
-    if par["resharded"]:
-        text += (
-            f", resumed on {par['resume_nproc_per_node']} rank(s) "
-            f"(DP {par['resume_data_parallel_size']})"
-        )
-    return text
 
 
-def _table(cases: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The Markdown table: every row, the columns that have a value somewhere."""
-    rows = [row for entry in cases for row in _entry_rows(entry)]
-    with_rank = any(not _layout(e).single_rank for e in cases)
-    columns = [
-        c
-        for c in _COLUMNS
-        if c not in _OPTIONAL
-        or (c == _RANK and with_rank)
-        or (c != _RANK and any(c in row for row in rows))
+def summary_table(document: Mapping[str, Any]) -> list[str]:
+    """One row per configuration and resume side."""
+    runs = runs_of(document)
+    plan = runs[0]["plan"]
+    after = f"{plan['resume_at'] + 1}..{plan['train_iters']}"
+    lines = [
+        "| configuration | side | optimizer elements on the rank | pre-load MiB | load peak over "
+        "pre-load MiB | B/param | avoided vs upstream MiB | avoided ÷ (8 B × elements) | max "
+        f"allocated after iteration {plan['resume_at'] + 1} (Megatron) MiB | uninterrupted "
+        f"training peak MiB | losses {after} equal | checkpoints after {plan['train_iters']} "
+        "identical | state installed by |",
+        "|" + "---|" * 13,
     ]
-    lines = ["", _markdown_row(columns), _markdown_row(["---"] * len(columns))]
-    lines += [_markdown_row(row.get(c, _DASH) for c in columns) for row in rows]
+    for run in runs:
+        numbers = run_numbers(run)
+        for side in RESUME_SIDES:
+            record = run["phases"].get(f"resume-{side}") or {}
+            rise = numbers.rises[side]
+            build = side == "build"
+            ratio = "—"
+            if build and numbers.avoided is not None and numbers.expected:
+                ratio = f"{numbers.avoided / numbers.expected:.4f}"
+            elif build and numbers.expected == 0:
+                ratio = "expected 0"
+            elif build and numbers.extra:
+                ratio = f"not predicted ({', '.join(numbers.extra)})"
+            cells = [
+                numbers.name,
+                side,
+                f"{numbers.elements:,}" if numbers.elements else "n/a",
+                _mib((record.get("load") or {}).get("baseline_bytes")),
+                _mib(rise),
+                (
+                    f"{rise / numbers.elements:.2f}"
+                    if rise is not None and numbers.elements
+                    else "n/a"
+                ),
+                _mib(numbers.avoided) if build else "—",
+                ratio,
+                f"{numbers.reports[side]:,.1f}" if numbers.reports[side] is not None else "n/a",
+                _mib(numbers.training_peak),
+                _yes_no((run.get("loss_differences") or {}).get(side)),
+                _yes_no(run.get("checkpoint_differences")) if build else "—",
+                record.get("installed_by") or ("n/a" if not record else "own loader"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def run_markdown(run: Mapping[str, Any]) -> str:
+    """One run's detail: its table per side, the training peak, per-rank peaks, the checkpoint
+    comparison and what the client added to the arguments."""
+    plan, records = run["plan"], run["phases"]
+    control = records.get("uninterrupted") or {}
+    params = control.get("parameters")
+    training_peak = control.get("max_allocated_bytes")
+    mode = "yes" if plan["deterministic"] else "no"
+    lines = [
+        f"Megatron-LM `{SCRIPT}` from {run['megatron_lm']}; iterations "
+        f"1..{plan['train_iters']}, resumed at {plan['resume_at']}; deterministic mode: {mode}; "
+        "parameters (rank 0): " + (f"{params:,}" if params else "unknown"),
+        "",
+        "| side | load peak over pre-load, MiB | B/param | max allocated after iteration "
+        f"{plan['resume_at'] + 1} (Megatron), MiB | ≤ uninterrupted training peak | losses "
+        f"{plan['resume_at'] + 1}..{plan['train_iters']} equal | state installed by |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for side in RESUME_SIDES:
+        record = records.get(f"resume-{side}") or {}
+        if not record:
+            lines.append(
+                f"| {side} | " + " | ".join(["run failed (see the logs)"] + ["n/a"] * 5) + " |"
+            )
+            continue
+        peak = record.get("load_peak_over_baseline")
+        report = record.get("first_memory_report")
+        within = None if not report or not training_peak else report[1] * _MIB <= training_peak
+        differences = run["loss_differences"].get(side)
+        cells = [
+            side,
+            f"{peak / _MIB:,.1f}" if peak is not None else "n/a",
+            f"{peak / params:.2f}" if peak is not None and params else "n/a",
+            f"{report[1]:,.1f}" if report else "n/a",
+            {None: "n/a", True: "yes", False: "no"}[within],
+            "n/a" if differences is None else "**no**" if differences else "yes",
+            record.get("installed_by") or "own loader (no outcomes recorded)",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if training_peak:
+        lines.append(f"\nUninterrupted run's training peak: {training_peak / _MIB:,.1f} MiB.")
+    for side in RESUME_SIDES:
+        rises = (records.get(f"resume-{side}") or {}).get("rank_load_peaks") or []
+        if len(rises) > 1:
+            shown = ", ".join("n/a" if r is None else f"{r / _MIB:,.1f}" for r in rises)
+            lines.append(
+                f"{side}: load peak over pre-load per rank, MiB: {shown} (the table: the highest)."
+            )
+    saved, counted = run.get("checkpoint_differences"), run.get("checkpoint_compared")
+    if saved is not None:
+        verdict = (
+            "identical, tensor by tensor" if not saved else f"{len(saved)} differ: {saved[:5]}"
+        )
+        if counted:
+            verdict += (
+                f" ({counted['tensors']:,} tensors, {counted['bytes'] / _MIB:,.1f} MiB compared)"
+            )
+        lines.append(
+            f"Checkpoints saved at iteration {plan['train_iters']} by the two resumes: {verdict}."
+        )
+    lines += ["", "What the client added:", *(f"- {note}" for note in run["notes"])]
+    return "\n".join(lines) + "\n"
 
 
 def markdown_report(document: Mapping[str, Any]) -> str:
-    """Render the JSON document as Markdown: environment, settings, notes and one table."""
-    env = document["environment"]
-    settings = document["settings"]
-    cases = document["cases"]
+    """The whole report: a single run's detail, or an invocation's header, table and details."""
+    if "runs" not in document:
+        return run_markdown(document)
+    environment = document.get("environment") or {}
     lines = [
-        "# Checkpoint-resume memory: upstream megatron-core vs. the state-adoption build",
+        _TITLE,
         "",
-        f"- GPU: {env.get('gpu_name')} (driver {env.get('driver')}); "
-        f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}); "
-        f"Transformer Engine {env.get('transformer_engine')}; Python {env.get('python')}",
+        f"- GPU: {environment.get('gpu_name')} (driver {environment.get('driver')}); torch "
+        f"{environment.get('torch')} (CUDA {environment.get('torch_cuda')}); Transformer Engine "
+        f"{environment.get('transformer_engine')}; Python {environment.get('python')}",
     ]
-    for label, side in document["sides"].items():
+    for label, side in (document.get("sides") or {}).items():
         lines.append(
             f"- {label}: megatron-core {side.get('version')} from `{side.get('file')}` "
             f"({side.get('source')})"
         )
-    size = settings["size"]
     lines += [
-        f"- model: GPT, local layer spec, BF16, distributed optimizer, {_ranks_text(settings)}; "
-        "hidden "
-        f"{size['hidden_size']}, {size['num_layers']} layers, {size['num_attention_heads']} heads, "
-        f"FFN {size['ffn_hidden_size']}, vocab {size['vocab_size']}, seq {size['seq_length']}, "
-        f"micro-batch {size['micro_batch_size']}; MoE case: {size['num_experts']} experts, "
-        f"top-{size['moe_router_topk']}; {settings['train_steps']} training steps before the save",
-        "- total parameters: "
-        + ", ".join(
-            f"{c['case']}{_layout_text(c)} {c['total_params']:,}"
-            for c in cases
-            if "total_params" in c
-        ),
-        "- baseline = `memory_allocated()` just before the load; load peak = "
-        "`max_memory_allocated()` over the whole load; expected saving = 8 B × parameters on the "
-        "rank (one FP32 Adam moment pair), 0 for the precision-aware fallback.",
+        f"- ranks per run: {document.get('nproc_per_node', 1)}; load peak = the allocator's peak "
+        "inside Megatron-LM's `load_checkpoint` over the level it began at (the rank where it "
+        "rose most); expected saving = 8 B × optimizer elements on that rank with the default "
+        "adopter, 0 where it declines",
+        "",
+        *summary_table(document),
     ]
-    lines += _adoption_lines(cases)
-    if settings.get("dev_mode_build_is_not_stateadoption"):
-        lines.append(
-            "- **WARNING: development mode -- the build side is NOT the +stateadoption build; "
-            "the comparison measures nothing about the product.**"
-        )
-    lines += _instance_loader_lines(cases)
-    lines += _check_lines(cases)
-    lines += _table(cases)
-    lines.append("")
-    return "\n".join(lines)
-
-
-def json_report(document: Mapping[str, Any]) -> str:
-    """The JSON document as text."""
-    return json.dumps(document, indent=2) + "\n"
+    for run in runs_of(document):
+        configuration = run.get("configuration") or {}
+        heading = configuration.get("name") or "megatron-lm"
+        if configuration.get("description"):
+            heading += f": {configuration['description']}"
+        arguments = " ".join(run.get("script_args") or [])
+        lines += ["", f"## {heading}", "", f"`{SCRIPT} {arguments}`", "", run_markdown(run)]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def merge_documents(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One document from several runs (e.g. ``--cases`` split over calls): cases concatenated.
+    """One invocation's document holding the runs of ``documents`` (in order).
 
-    Environment, sides and settings come from the first document; each case keeps the
-    workspace it ran in (and, in the current shape, its layout).
+    Raises:
+        ValueError: when the documents' sides are not the same megatron-core files and versions.
     """
-    if not documents:
-        raise ValueError("nothing to merge")
-    merged = dict(documents[0])
-    merged["cases"] = [case for doc in documents for case in doc["cases"]]
-    merged["settings"] = {
-        **documents[0]["settings"],
-        "cases": [case["case"] for case in merged["cases"]],
-        "merged_from_runs": len(documents),
-    }
-    return merged
+    first = dict(documents[0])
+    identity = [
+        {label: (s.get("version"), s.get("file")) for label, s in d["sides"].items()}
+        for d in documents
+    ]
+    if any(i != identity[0] for i in identity):
+        raise ValueError(f"the documents compare different sides: {identity}")
+    return {**first, "runs": [run for d in documents for run in runs_of(d)]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.resume_benchmark.report A.json B.json ...``: merge and render."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.resume_benchmark.report",
-        description="Merge JSON documents of several benchmark runs and print one Markdown report.",
-    )
-    parser.add_argument("documents", nargs="+", type=Path, help="--json-out files of earlier runs")
-    parser.add_argument("--json-out", type=Path, help="write the merged JSON document here")
-    parser.add_argument("--markdown-out", type=Path, help="write the Markdown report here")
+    """Re-render JSON documents (merged) as Markdown (stdout, or ``--markdown-out``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.resume_benchmark.report")
+    parser.add_argument("documents", nargs="+", type=Path, help="--json-out files")
+    parser.add_argument("--markdown-out", type=Path)
+    parser.add_argument("--json-out", type=Path, help="the merged document")
     args = parser.parse_args(argv)
-    merged = merge_documents([json.loads(path.read_text()) for path in args.documents])
-    markdown = markdown_report(merged)
+    documents = [json.loads(path.read_text()) for path in args.documents]
+    document = documents[0] if len(documents) == 1 else merge_documents(documents)
+    text = markdown_report(document)
     if args.json_out:
-        args.json_out.write_text(json_report(merged))
+        write_json(args.json_out, document)
     if args.markdown_out:
-        args.markdown_out.write_text(markdown)
-    sys.stdout.write(markdown)
+        args.markdown_out.write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 

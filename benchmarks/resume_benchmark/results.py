@@ -1,4 +1,4 @@
-"""Worker result files, progress lines, and bitwise comparison of fingerprints.
+"""Result files, progress lines, and the state-adoption outcomes a run recorded.
 
 Pure Python (no torch): the driver uses it on any machine.
 """
@@ -12,13 +12,10 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypedDict
+from typing import Any, Final
 
-from benchmarks.resume_benchmark.memory_timeline import Timeline
-
-#: Prefix of the progress lines workers print; the driver echoes these lines to its stdout.
+#: Prefix of the progress lines launches print; the driver echoes these lines to its stdout.
 PROGRESS_MARKER = "[resume-benchmark]"
 
 
@@ -49,154 +46,19 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-#: SHA-256 digest per tensor or record name (see :mod:`.fingerprint`).
-Digests = dict[str, str]
-
-
-class StepRecord(TypedDict, total=False):
-    """One training step: loss (and its exact ``float.hex``); step N+1 also its memory and state."""
-
-    step: int
-    loss: float
-    loss_hex: str
-    grad_norm: float | None
-    update_successful: bool
-    baseline_bytes: int
-    peak_bytes: int
-    fingerprint: Digests
-
-
-class ModelRecord(TypedDict):
-    """The model and optimizer a worker built, counted on its rank."""
-
-    total_params: int
-    model_params_on_rank: int
-    optimizer_params: int
-    inner_optimizers: list[str]
-    build_seconds: float
-
-
-class TrainRecord(TypedDict):
-    """The training steps before the save."""
-
-    steps: list[StepRecord]
-    baseline_bytes: int
-    peak_bytes: int
-    seconds: float
-
-
-class SaveRecord(TypedDict, total=False):
-    """The ``torch_dist`` save (``ok`` False: the format cannot be saved, ``error`` says why)."""
-
-    ok: bool
-    error: str | None
-    seconds: float
-    checkpoint_bytes: int
-
-
-class LoadRecord(TypedDict):
-    """The load: allocated bytes before, the peak, after, and its duration."""
-
-    baseline_bytes: int
-    peak_bytes: int
-    post_load_allocated_bytes: int
-    seconds: float
-
-
-class StateAdoptionRecord(TypedDict):
-    """The registered adopters and every hook-point outcome (None: no subsystem or hooks)."""
-
-    adopters: list[str] | None
-    outcomes: list[dict[str, Any]] | None
-
-
-class WorkerResult(TypedDict, total=False):
-    """One rank's result file of a ``train`` or ``resume`` phase (``error``: the phase failed)."""
-
-    phase: str
-    case: str
-    side: str
-    error: str
-    megatron_core: dict[str, Any]
-    model: ModelRecord
-    rank: dict[str, int]
-    train: TrainRecord
-    save: SaveRecord
-    next_step: StepRecord
-    load: LoadRecord
-    memory_timeline: Timeline | dict[str, str]
-    state_adoption: StateAdoptionRecord
-    instance_loader: dict[str, Any]
-    post_save_fingerprint: Digests
-    post_save_gathered_fingerprint: Digests
-    restored_fingerprint: Digests
-    restored_gathered_fingerprint: Digests
-
-
-@dataclass(frozen=True)
-class DigestComparison:
-    """Result of comparing two fingerprints name by name."""
-
-    equal: bool
-    compared: int
-    mismatched: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-
-    def to_json(self, limit: int = 20) -> dict[str, Any]:
-        """Summary for the JSON report (at most ``limit`` names per list)."""
-        return {
-            "equal": self.equal,
-            "compared": self.compared,
-            "mismatched_count": len(self.mismatched),
-            "mismatched": self.mismatched[:limit],
-            "missing": self.missing[:limit],
-            "unexpected": self.unexpected[:limit],
-        }
-
-
-def compare_digests(expected: Mapping[str, str], actual: Mapping[str, str]) -> DigestComparison:
-    """Compare two fingerprints: equal when the same names map to the same digests."""
-    missing = sorted(set(expected) - set(actual))
-    unexpected = sorted(set(actual) - set(expected))
-    common = [name for name in expected if name in actual]
-    mismatched = [name for name in common if expected[name] != actual[name]]
-    equal = not missing and not unexpected and not mismatched and bool(expected)
-    return DigestComparison(equal, len(common), mismatched, missing, unexpected)
-
-
-def merge_rank_digests(parts: Sequence[Mapping[str, str]]) -> tuple[dict[str, str], list[str]]:
-    """Union of several ranks' fingerprints, and the names whose digests differ between ranks.
-
-    Ranks holding the same replicated shard report it under the same name; a conflict means
-    replicas that should be identical are not.
-    """
-    merged: dict[str, str] = {}
-    conflicts: set[str] = set()
-    for part in parts:
-        for name, digest in part.items():
-            if merged.setdefault(name, digest) != digest:
-                conflicts.add(name)
-    return merged, sorted(conflicts)
-
-
 def eprint(message: str) -> None:
     """Print to stderr (flushed)."""
     print(message, file=sys.stderr, flush=True)
 
 
-# State adoption records: which optimizer state adopters a resume worker had, and what each hook
-# point did in its load.
+# State adoption records: which optimizer state adopters a resume had, and what each hook point
+# did in its load.
 
 #: Hook point of the inner ``load_state_dict`` call (the one that installs the state).
 LOAD_HOOK_POINT: Final = "load"
 
 #: How the report names the fallback: the inner optimizer's own ``load_state_dict``.
 OWN_LOADER: Final = "own loader"
-
-#: How the report names the fallback when an instance-level loader was installed (then the
-#: optimizer's own ``load_state_dict`` is that instance method).
-INSTANCE_LOADER: Final = "instance loader"
 
 
 def registered_adopter_names() -> list[str] | None:
@@ -268,30 +130,16 @@ def adopters_that_handled(records: Iterable[Mapping[str, Any] | None]) -> list[s
     return list(names) if recorded else None
 
 
-def installed_by(record: Mapping[str, Any] | None, instance_loader: bool = False) -> Counter[str]:
-    """Adopter name (or the fallback: :data:`OWN_LOADER`, or :data:`INSTANCE_LOADER` when an
-    instance-level loader was installed) -> how many inner ``load_state_dict`` calls it handled."""
-    fallback = INSTANCE_LOADER if instance_loader else OWN_LOADER
-    return Counter(str(o.get("adopter") or fallback) for o in load_outcomes(record))
+def installed_by(record: Mapping[str, Any] | None) -> Counter[str]:
+    """Adopter name (or :data:`OWN_LOADER`) -> how many inner ``load_state_dict`` calls it
+    handled."""
+    return Counter(str(o.get("adopter") or OWN_LOADER) for o in load_outcomes(record))
 
 
-def installed_by_text(
-    record: Mapping[str, Any] | None, instance_loader_calls: int | None = None
-) -> str | None:
-    """E.g. ``te_fused_adam_fp32 ×2``, ``instance loader ×2``; None when nothing was recorded.
-
-    ``instance_loader_calls``: how often an instance-level loader ran on this rank (None: none
-    was installed). Without outcomes (upstream) that count is all there is to show; with them,
-    a count that differs from the fallbacks is appended, so a mismatch cannot hide.
-    """
-    instance = instance_loader_calls is not None
-    counts = installed_by(record, instance)
-    if not counts:
-        return f"{INSTANCE_LOADER} ×{instance_loader_calls}" if instance else None
-    text = ", ".join(f"{name} ×{count}" for name, count in counts.items())
-    if instance and counts[INSTANCE_LOADER] != instance_loader_calls:
-        text += f" (instance loader ran ×{instance_loader_calls})"
-    return text
+def installed_by_text(record: Mapping[str, Any] | None) -> str | None:
+    """E.g. ``te_fused_adam_fp32 ×2``; None when nothing was recorded (upstream)."""
+    counts = installed_by(record)
+    return ", ".join(f"{name} ×{count}" for name, count in counts.items()) or None
 
 
 def fallback_text(record: Mapping[str, Any] | None) -> str | None:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from benchmarks.resume_benchmark.results import progress
 
@@ -127,16 +127,30 @@ def resolve_build(arg: Path | None, cache_dir: Path) -> Side:
     return Side("build", None, "current environment")
 
 
+#: Set for every launch, both sides alike, before CUDA (cuBLAS) and TE are initialised: the
+#: resumes' losses can then be compared exactly.
+DETERMINISM_ENV: Final[Mapping[str, str]] = {
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+}
+
+#: Variables ``torch.distributed.run`` sets; removed from every launch's environment, so a
+#: launch is a world of its own even when the driver runs under a launcher.
+LAUNCHER_ENV_VARS: Final = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+)  # fmt: skip
+
+
 def worker_environment(side: Side, repo_root: Path) -> dict[str, str]:
     """Environment for a worker of ``side``: its directory first on ``PYTHONPATH``.
 
     The inherited ``PYTHONPATH`` follows (minus the repository root, whose ``megatron/`` source
     tree must never shadow an installed ``megatron-core``). Everything else is inherited --
     ``CUDA_VISIBLE_DEVICES`` too -- except a launcher's rank variables
-    (:data:`~.runtime.LAUNCHER_ENV_VARS`).
+    (:data:`LAUNCHER_ENV_VARS`); :data:`DETERMINISM_ENV` is set.
     """
-    from benchmarks.resume_benchmark.runtime import DETERMINISM_ENV, LAUNCHER_ENV_VARS
-
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_VARS}
     inherited = [
         entry

@@ -1,7 +1,8 @@
 """Train, save and resume a small real Megatron-Core GPT on the GPU (helpers for the GPU tests).
 
-The model, optimizer, training step and checkpoint code are the resume benchmark's
-(``benchmarks/resume_benchmark``), so the tests exercise exactly what the benchmark measures.
+The model, optimizer and training step are :mod:`mcore_gpt`'s, the checkpoint save/load and
+the state fingerprint :mod:`mcore_checkpoint`'s (both moved from the resume benchmark, which now
+runs Megatron-LM's ``pretrain_gpt.py``).
 """
 
 import gc
@@ -17,7 +18,7 @@ ADOPTION_LOGGER = "megatron.core.optimizer.state_adoption"
 
 def digests(model_chunks: Any, optimizer: Any) -> Dict[str, str]:
     """SHA-256 of every model parameter, optimizer state tensor and param-group setting."""
-    from benchmarks.resume_benchmark.fingerprint import fingerprint_state
+    from mcore_checkpoint import fingerprint_state
 
     return fingerprint_state(model_chunks, optimizer)
 
@@ -47,7 +48,7 @@ def step_with_peak(model_chunks: Any, optimizer: Any, case: Any, start: int) -> 
     would miss what the control allocated lazily during its first steps; absolute training
     peaks of fresh processes are compared by the resume benchmark (docs/gpu-report.md).
     """
-    from benchmarks.resume_benchmark.model import train_step
+    from mcore_gpt import train_step
 
     free_cuda()
     torch.cuda.reset_peak_memory_stats()
@@ -67,9 +68,8 @@ def train_save_control(case: Any, checkpoint_dir: Path, layout: Any = None) -> D
     ``layout`` (a ``ParallelLayout``; None: one rank) for a run on several ranks, where every
     rank calls this with the same ``checkpoint_dir``.
     """
-    from benchmarks.resume_benchmark.checkpoint import save_checkpoint
-    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer
-    from benchmarks.resume_benchmark.model import train_step
+    from mcore_checkpoint import save_checkpoint
+    from mcore_gpt import build_gpt_and_optimizer, train_step
 
     start = allocated_now()
     model_chunks, optimizer = build_gpt_and_optimizer(case, layout)
@@ -89,7 +89,7 @@ def load_with_peak(
     model_chunks: Any, optimizer: Any, case: Any, checkpoint_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> int:
     """Load the checkpoint (adoption log captured); return the load peak over the baseline."""
-    from benchmarks.resume_benchmark.checkpoint import load_checkpoint
+    from mcore_checkpoint import load_checkpoint
 
     free_cuda()
     torch.cuda.reset_peak_memory_stats()

@@ -31,9 +31,8 @@ DEFAULT_ADOPTERS = ["te_fused_adam_fp32"]
     ["dp_reshardable", "fully_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter", "moe", "precision_aware_bf16"],
 )
 def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path: Path) -> None:
-    from benchmarks.resume_benchmark.cases import PRESETS, make_case
-    from benchmarks.resume_benchmark.checkpoint import load_checkpoint
-    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, inner_optimizers
+    from mcore_checkpoint import load_checkpoint
+    from mcore_gpt import PRESETS, build_gpt_and_optimizer, inner_optimizers, make_case
 
     case = make_case(case_name, PRESETS["tiny"])
     if case_name in UNSUPPORTED_FORMATS:

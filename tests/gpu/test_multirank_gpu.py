@@ -5,7 +5,7 @@ Run on a machine with two GPUs, one pytest process per rank::
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         -m pytest tests/gpu/test_multirank_gpu.py -q -rA -p no:cacheprovider
 
-Each case trains the benchmark's tiny GPT (distributed optimizer, real TE FusedAdam) on both
+Each case trains mcore_gpt's tiny GPT (distributed optimizer, real TE FusedAdam) on both
 ranks with its layout (DP 2 for the three DP-reshardable formats, EP 2 for MoE with a
 ChainedOptimizer, TP 2), saves a ``torch_dist`` checkpoint into one directory, takes step N+1
 as the uninterrupted control, then builds a fresh model and optimizer in the same process and
@@ -66,7 +66,7 @@ def world() -> Iterator[int]:
     """This rank's NCCL world, with a short timeout: a rank that fails cannot hang the other."""
     import torch.distributed as dist
 
-    from benchmarks.resume_benchmark.runtime import shutdown
+    from mcore_gpt import shutdown
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
@@ -121,12 +121,9 @@ def _outcome_problems(outcomes: Any, params_per_optimizer: List[int]) -> List[st
 def test_every_rank_adopts_and_matches_the_control(world: int, case_name: str, nproc: int, tp: int, ep: int) -> None:
     import torch.distributed as dist
 
-    from benchmarks.resume_benchmark.results import recording_outcomes
-    from benchmarks.resume_benchmark.cases import PRESETS, make_case
-    from benchmarks.resume_benchmark.checkpoint import load_checkpoint
-    from benchmarks.resume_benchmark.launch import ParallelLayout
-    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, inner_optimizers
-    from benchmarks.resume_benchmark.model import train_step
+    from mcore_checkpoint import load_checkpoint, recording_outcomes
+    from mcore_gpt import PRESETS, ParallelLayout, build_gpt_and_optimizer, inner_optimizers
+    from mcore_gpt import make_case, train_step
     from megatron.core import parallel_state
 
     case = make_case(case_name, PRESETS["tiny"])

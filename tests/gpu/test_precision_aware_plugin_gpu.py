@@ -137,8 +137,7 @@ def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) 
 
 
 def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog, monkeypatch) -> None:
-    from benchmarks.resume_benchmark.cases import PRESETS, make_case
-    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer, distributed_optimizers
+    from mcore_gpt import PRESETS, build_gpt_and_optimizer, distributed_optimizers, make_case
 
     name = plugin.TEFusedAdamPrecisionAwareStateAdopter.name
     handle = None

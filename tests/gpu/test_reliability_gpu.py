@@ -76,15 +76,15 @@ CORRUPTIONS: Dict[str, Tuple[Callable[[Path], None], bool]] = {
 
 
 def _case(name: str = FORMAT, **size_changes: Any) -> Any:
-    from benchmarks.resume_benchmark.cases import PRESETS, make_case
+    from mcore_gpt import PRESETS, make_case
 
     return make_case(name, dataclasses.replace(PRESETS["tiny"], **size_changes))
 
 
 def _load_outcome(case: Any, checkpoint_dir: Path) -> Outcome:
     """('error', type name, message) or ('loaded', digests, None) for one fresh load."""
-    from benchmarks.resume_benchmark.checkpoint import load_checkpoint
-    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer
+    from mcore_checkpoint import load_checkpoint
+    from mcore_gpt import build_gpt_and_optimizer
 
     model_chunks, optimizer = build_gpt_and_optimizer(case)
     try:
@@ -154,8 +154,8 @@ def _load_cycles(
         CUDA memory allocated after each cycle, the number of live Python objects after each
         cycle, and the growth of live objects by type from cycle 10 to cycle 20.
     """
-    from benchmarks.resume_benchmark.checkpoint import load_checkpoint
-    from benchmarks.resume_benchmark.model import build_gpt_and_optimizer
+    from mcore_checkpoint import load_checkpoint
+    from mcore_gpt import build_gpt_and_optimizer
 
     model_chunks, optimizer = build_gpt_and_optimizer(case)
     allocated: List[int] = []

@@ -1,14 +1,25 @@
-"""The benchmark's Megatron-Core GPT model, its distributed optimizer and its training step.
+"""The GPU tests' Megatron-Core GPT: cases, model, distributed optimizer, training step.
+
+Moved from the resume benchmark (``benchmarks/resume_benchmark``: ``cases.py``, ``launch.py``,
+``runtime.py``, ``model.py``), which now runs Megatron-LM's ``pretrain_gpt.py`` instead; only
+what the GPU tests use came along. Save, load, fingerprints and outcome recording are in
+:mod:`mcore_checkpoint`.
 
 A ``GPTModel`` (local layer spec, BF16 ``Float16Module``) in ``DistributedDataParallel`` with the
 distributed optimizer of ``get_megatron_optimizer`` (inner optimizer: TE's ``FusedAdam``).
-:func:`build_gpt_and_optimizer` initialises NCCL and the parallel state on first use.
+:func:`build_gpt_and_optimizer` initialises NCCL and the parallel state on first use. The module
+imports torch and Megatron-Core's model code: the GPU tests import it inside their tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import os
+import random
+import socket
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 import torch.distributed
@@ -25,11 +36,253 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from benchmarks.resume_benchmark.cases import BenchmarkCase
-from benchmarks.resume_benchmark.launch import ParallelLayout
-from benchmarks.resume_benchmark.runtime import initialize_rank, seed_everything
 from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+
+# Cases: model sizes, presets and optimizer modes (from the benchmark's cases.py).
+
+#: Optimizer sharding formats Megatron-Core's DistributedOptimizer offers for ``torch_dist``
+#: (the same in 0.16.1, 0.18.2 and 0.19.2).
+SHARDING_FORMATS: Final[tuple[str, ...]] = (
+    "dp_reshardable",
+    "fully_reshardable",
+    "fully_sharded_model_space",
+    "dp_zero_gather_scatter",
+)
+
+#: A GPT with MoE layers: a ChainedOptimizer of a dense and an expert DistributedOptimizer.
+MOE_CASE: Final = "moe"
+
+#: Precision-aware optimizer (BF16 moments, TE master weights): must fall back to TE's loader.
+PRECISION_AWARE_CASE: Final = "precision_aware_bf16"
+
+#: The precision-aware optimizer with MoE: a ChainedOptimizer of two precision-aware FusedAdams.
+MOE_PRECISION_AWARE_CASE: Final = "moe_precision_aware_bf16"
+
+#: The precision-aware optimizer with the other sharding formats (the load reads through
+#: other paths than ``dp_reshardable``'s), and with FP16 moments (TE scales them per tensor).
+#: The format cases keep FP32 master weights: with int16 remainders, megatron-core 0.19.2 cannot
+#: resume them at all (its FP32 world buffers reach TE's ``set_scaled_state``, which asserts
+#: int16 for remainders).
+PRECISION_AWARE_FORMAT_CASES: Final[Mapping[str, str]] = {
+    "precision_aware_bf16_fully_reshardable": "fully_reshardable",
+    "precision_aware_bf16_dp_zero_gather_scatter": "dp_zero_gather_scatter",
+}
+PRECISION_AWARE_FP16_CASE: Final = "precision_aware_fp16"
+
+#: Every case, in the order they run by default.
+CASE_NAMES: Final[tuple[str, ...]] = (
+    *SHARDING_FORMATS,
+    MOE_CASE,
+    PRECISION_AWARE_CASE,
+    MOE_PRECISION_AWARE_CASE,
+)
+
+#: Cases that run only when named in ``--cases``.
+OPT_IN_CASE_NAMES: Final[tuple[str, ...]] = (
+    *PRECISION_AWARE_FORMAT_CASES,
+    PRECISION_AWARE_FP16_CASE,
+)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Shape of the GPT model and of one micro-batch."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    seq_length: int
+    micro_batch_size: int
+    vocab_size: int
+    num_experts: int
+    moe_router_topk: int
+
+    @property
+    def moe_ffn_hidden_size(self) -> int:
+        """FFN width of one expert: the dense FFN split across experts (same parameter count)."""
+        return max(self.ffn_hidden_size // self.num_experts, 16)
+
+
+#: Named size presets. ``tiny`` is for smoke runs and tests.
+PRESETS: Final[Mapping[str, ModelSize]] = {
+    "tiny": ModelSize(
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=512,
+        seq_length=64,
+        micro_batch_size=2,
+        vocab_size=1024,
+        num_experts=4,
+        moe_router_topk=2,
+    )
+}
+
+
+@dataclass(frozen=True)
+class BenchmarkCase:
+    """One measured configuration: model size, optimizer mode and checkpoint sharding format."""
+
+    name: str
+    sharding_format: str
+    size: ModelSize
+    moe: bool = False
+    precision_aware: bool = False
+    train_steps: int = 2
+    seed: int = 1234
+    moe_fold_experts: bool = False
+    moment_dtype: str = "bfloat16"
+    param_remainders: bool = True
+
+
+def make_case(
+    name: str,
+    size: ModelSize,
+    train_steps: int = 2,
+    seed: int = 1234,
+    moe_fold_experts: bool = False,
+) -> BenchmarkCase:
+    """Build the :class:`BenchmarkCase` called ``name`` (one of :data:`CASE_NAMES`).
+
+    ``moe_fold_experts`` (moe case only) keeps experts in the dense DistributedOptimizer, as
+    Megatron-Core does by default on one rank, instead of a separate expert optimizer.
+    """
+    formats = {
+        MOE_CASE: "dp_reshardable",
+        PRECISION_AWARE_CASE: "dp_reshardable",
+        MOE_PRECISION_AWARE_CASE: "dp_reshardable",
+        PRECISION_AWARE_FP16_CASE: "dp_reshardable",
+        **PRECISION_AWARE_FORMAT_CASES,
+    }
+    if name not in SHARDING_FORMATS and name not in formats:
+        known = ", ".join((*CASE_NAMES, *OPT_IN_CASE_NAMES))
+        raise ValueError(f"unknown case {name!r}; expected one of {known}")
+    case = BenchmarkCase(name, formats.get(name, name), size, train_steps=train_steps, seed=seed)
+    if name in (MOE_CASE, MOE_PRECISION_AWARE_CASE):
+        case = dataclasses.replace(case, moe=True, moe_fold_experts=moe_fold_experts)
+    if name in (PRECISION_AWARE_CASE, MOE_PRECISION_AWARE_CASE):
+        case = dataclasses.replace(case, precision_aware=True)
+    if name in PRECISION_AWARE_FORMAT_CASES:
+        case = dataclasses.replace(case, precision_aware=True, param_remainders=False)
+    if name == PRECISION_AWARE_FP16_CASE:
+        case = dataclasses.replace(case, precision_aware=True, moment_dtype="float16")
+    return case
+
+
+# The process layout (from the benchmark's launch.py: the layout only).
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Ranks per phase and the model-parallel sizes (pipeline and context parallel are 1).
+
+    ``nproc_per_node`` ranks train, save and run the control; ``resume_nproc_per_node`` ranks
+    run each resume (equal unless the resume is at another data-parallel size).
+    """
+
+    nproc_per_node: int = 1
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    resume_nproc_per_node: int = 1
+
+
+# Process setup: determinism, ``torch.distributed`` (NCCL), Megatron parallel state (from the
+# benchmark's runtime.py).
+
+#: Environment every process needs before CUDA (cuBLAS) and TE are initialised.
+DETERMINISM_ENV: Final[dict[str, str]] = {
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+}
+
+
+def apply_determinism_env() -> None:
+    """Set :data:`DETERMINISM_ENV` in this process (call before importing torch's CUDA state)."""
+    for key, value in DETERMINISM_ENV.items():
+        os.environ[key] = value
+
+
+def _free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, torch (CPU and CUDA) and Megatron's tensor-parallel CUDA RNG tracker."""
+    import torch
+
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def launched_rank() -> tuple[int, int, int]:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` under ``torch.distributed.run``, else ``(0, 1, 0)``."""
+    if "RANK" not in os.environ:
+        return 0, 1, 0
+    try:
+        return (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ["LOCAL_RANK"]),
+        )
+    except KeyError as exc:
+        raise RuntimeError(
+            f"RANK is set but {exc.args[0]} is not: launch several ranks with "
+            "python -m torch.distributed.run"
+        ) from None
+
+
+def initialize_rank(
+    seed: int, tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1
+) -> None:
+    """Initialise this rank (idempotent; needs CUDA): determinism, GPU, NCCL, parallel state."""
+    apply_determinism_env()
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    rank, world_size, local_rank = launched_rank()
+    torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        launched = "RANK" in os.environ
+        dist.init_process_group(
+            backend="nccl",
+            init_method="env://" if launched else f"tcp://127.0.0.1:{_free_tcp_port()}",
+            world_size=world_size,
+            rank=rank,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+        )
+    seed_everything(seed)
+
+
+def shutdown() -> None:
+    """Tear down Megatron's parallel state and the process group, if they exist."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# The model and its distributed optimizer (from the benchmark's model.py).
 
 #: Optimizer hyper-parameters shared by every case (constant LR, no scheduler).
 LEARNING_RATE = 1.0e-4
@@ -130,8 +383,7 @@ def tag_expert_parameters(model: torch.nn.Module) -> int:
 
 
 def build_gpt_and_optimizer(
-    case: BenchmarkCase,
-    layout: ParallelLayout | None = None,
+    case: BenchmarkCase, layout: ParallelLayout | None = None
 ) -> tuple[list[DistributedDataParallel], MegatronOptimizer]:
     """Build the case's GPT model chunks (one, DDP-wrapped) and its Megatron optimizer.
 
@@ -185,47 +437,7 @@ def inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer
     return [dist_opt.optimizer for dist_opt in distributed_optimizers(optimizer)]
 
 
-def optimizer_parameter_count(optimizer: MegatronOptimizer) -> int:
-    """Elements of every inner-optimizer parameter on this rank (the FP32 main-param shards)."""
-    return sum(
-        int(param.numel())
-        for inner in inner_optimizers(optimizer)
-        for group in inner.param_groups
-        for param in group["params"]
-    )
-
-
-def model_parameter_count(model_chunks: list[DistributedDataParallel]) -> int:
-    """Elements of the model parameters this rank holds (its shards and its replicas)."""
-    return sum(int(p.numel()) for chunk in model_chunks for p in chunk.parameters())
-
-
-def _counts_toward_total(param: torch.nn.Parameter) -> bool:
-    """Whether this rank counts ``param`` in the model total (one replica of every shard)."""
-    expert = not getattr(param, "allreduce", True)
-    if expert:
-        dp_rank = parallel_state.get_expert_data_parallel_rank()
-        tp_rank = parallel_state.get_expert_tensor_parallel_rank()
-    else:
-        dp_rank = parallel_state.get_data_parallel_rank()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    return dp_rank == 0 and (bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0)
-
-
-def model_parameter_total(model_chunks: list[DistributedDataParallel]) -> int:
-    """The model's parameter count over all ranks (collective; one rank: its own count)."""
-    owned = sum(
-        int(p.numel()) for chunk in model_chunks for p in chunk.parameters() if _counts_toward_total(p)
-    )
-    total = torch.tensor([owned], dtype=torch.int64, device=torch.cuda.current_device())
-    torch.distributed.all_reduce(total)
-    return int(total.item())
-
-
-def inner_optimizer_class_names(optimizer: MegatronOptimizer) -> list[str]:
-    """Qualified class names of the inner optimizers (expect TE's ``FusedAdam``)."""
-    return [f"{type(o).__module__}.{type(o).__qualname__}" for o in inner_optimizers(optimizer)]
-
+# The training step (from the benchmark's model.py).
 
 #: Mixes the case seed into the per-step batch seed; the batch depends on (seed, step) only.
 _STEP_SEED_STRIDE = 1_000_003

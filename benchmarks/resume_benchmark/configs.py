@@ -1,0 +1,147 @@
+"""The benchmark's built-in ``pretrain_gpt.py`` configurations: one per load path of the build.
+
+Each configuration is Megatron-LM arguments for one optimizer mode, added to the arguments of a
+model size (:data:`SIZES`). Its :class:`Expectation` says what ``--check`` holds the build to:
+``ADOPTS`` (the default adopter installs the FP32 moments by reference: the load peak falls by
+8 B x parameters, within the uninterrupted run's training peak) or ``KEEPS_LOADER`` (the
+default adopter declines; the build's load peak equals upstream's). An adopter beyond
+:data:`DEFAULT_ADOPTERS` that handled the state on the build side (an opt-in plugin) makes the
+saving measured, not predicted. This module imports neither torch nor Megatron.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+#: One FP32 ``exp_avg`` plus one FP32 ``exp_avg_sq`` element: what the build avoids per parameter.
+FP32_MOMENT_PAIR_BYTES: Final = 8
+
+#: The state adopters the ``+stateadoption`` build registers by itself (no plugin installed).
+DEFAULT_ADOPTERS: Final[tuple[str, ...]] = ("te_fused_adam_fp32",)
+
+_GPT: Final = (
+    "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--tokenizer-type", "NullTokenizer",
+    "--transformer-impl", "transformer_engine", "--seed", "1234",
+)  # fmt: skip
+
+
+def _size(
+    layers: int, hidden: int, heads: int, seq: int, batch: int, vocab: int
+) -> tuple[str, ...]:
+    return (
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--ffn-hidden-size", str(4 * hidden), "--num-attention-heads", str(heads),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+        "--micro-batch-size", "2", "--global-batch-size", str(batch),
+        "--vocab-size", str(vocab), *_GPT,
+    )  # fmt: skip
+
+
+#: Model sizes: ``1b`` (1,076,899,840 parameters, Megatron's max allocated ~24.8 GB on an H200),
+#: ``small`` (~0.2 B: several configurations side by side on one GPU within minutes) and
+#: ``tiny`` (smoke runs; too small for ``--check``'s 1 % tolerance).
+SIZES: Final[Mapping[str, tuple[str, ...]]] = {
+    "1b": _size(20, 2048, 16, 2048, 16, 32000),
+    "small": _size(12, 1024, 16, 1024, 8, 50304),
+    "tiny": _size(2, 256, 4, 256, 4, 1024),
+}
+
+
+class Expectation(enum.Enum):
+    """What the build does with a configuration's optimizer state at load time."""
+
+    ADOPTS = "the default adopter installs the FP32 moments by reference"
+    KEEPS_LOADER = "the default adopter declines: TE's or the optimizer's own loader"
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One optimizer mode: its ``pretrain_gpt.py`` arguments and what the build does with it."""
+
+    name: str
+    arguments: tuple[str, ...]
+    expectation: Expectation
+    description: str
+
+    def script_arguments(self, size: str) -> list[str]:
+        """The model size's arguments followed by this mode's."""
+        return [*SIZES[size], *self.arguments]
+
+
+_DISTRIBUTED: Final = ("--bf16", "--use-distributed-optimizer")
+_PRECISION_AWARE: Final = (
+    *_DISTRIBUTED, "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+    "--exp-avg-sq-dtype", "bf16",
+)  # fmt: skip
+_ADOPTS, _KEEPS = Expectation.ADOPTS, Expectation.KEEPS_LOADER
+
+#: Every built-in configuration, in the order ``all`` runs them.
+CONFIGURATIONS: Final[Mapping[str, Configuration]] = {
+    c.name: c
+    for c in (
+        Configuration(
+            "dp-reshardable", _DISTRIBUTED, _ADOPTS,
+            "BF16, distributed optimizer, torch_dist dp_reshardable (Megatron-LM's default)",
+        ),
+        Configuration(
+            "fully-reshardable", (*_DISTRIBUTED, "--dist-ckpt-optim-fully-reshardable"), _ADOPTS,
+            "the same, optimizer state saved fully_reshardable",
+        ),
+        Configuration(
+            "moe",
+            (*_DISTRIBUTED, "--num-experts", "4", "--moe-ffn-hidden-size", "2048",
+             "--moe-router-topk", "2"),
+            _ADOPTS, "4 experts, top-2: a ChainedOptimizer of a dense and an expert optimizer",
+        ),
+        Configuration(
+            "megatron-fsdp",
+            (*_DISTRIBUTED, "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
+             "--data-parallel-sharding-strategy", "optim_grads_params"),
+            _ADOPTS, "Megatron-FSDP (optim_grads_params), fsdp_dtensor checkpoint",
+        ),
+        Configuration(
+            "non-distributed-bf16", ("--bf16",), _ADOPTS,
+            "BF16 without the distributed optimizer: Float16OptimizerWithFloat16Params",
+        ),
+        Configuration(
+            "non-distributed-fp32", (), _ADOPTS, "FP32 without the distributed optimizer: FP32Optimizer",
+        ),
+        Configuration(
+            "precision-aware", _PRECISION_AWARE, _KEEPS,
+            "precision-aware optimizer, BF16 moments, TE master weights with remainders",
+        ),
+        Configuration(
+            "cpu-offload",
+            (*_DISTRIBUTED, "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+             "--optimizer-offload-fraction", "1.0"),
+            _KEEPS, "optimizer state on the host (HybridDeviceOptimizer)",
+        ),
+    )
+}  # fmt: skip
+
+
+def extra_adopters(adopters: Iterable[str] | None) -> tuple[str, ...]:
+    """The adopters in ``adopters`` beyond :data:`DEFAULT_ADOPTERS`, in order, without repeats."""
+    return tuple(dict.fromkeys(a for a in adopters or () if a not in DEFAULT_ADOPTERS))
+
+
+def parse_configurations(text: str) -> list[str]:
+    """``all`` or comma-separated names of :data:`CONFIGURATIONS`.
+
+    Raises:
+        ValueError: for an unknown name or an empty list.
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(CONFIGURATIONS)
+    unknown = [n for n in names if n not in CONFIGURATIONS]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown configuration(s) {', '.join(unknown) or '(none)'}; choose from all, "
+            + ", ".join(CONFIGURATIONS)
+        )
+    return names

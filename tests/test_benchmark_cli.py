@@ -1,0 +1,210 @@
+"""The resume benchmark's command line, configurations and ``--check``, on the CPU.
+
+Whole invocations run the real driver, launcher and probe with the stand-in ``pretrain_gpt.py``
+of tests/test_megatron_lm_client.py (its console lines, TensorBoard scalars and checkpoints);
+only the side probes are replaced (this machine has one megatron-core, no GPU and no TE), by
+records of the shape :mod:`benchmarks.resume_benchmark.side_probe` writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_megatron_lm_client import USER_ARGS, _fake_megatron_lm
+
+from benchmarks.resume_benchmark import cli
+from benchmarks.resume_benchmark.configs import (
+    CONFIGURATIONS,
+    SIZES,
+    Expectation,
+    parse_configurations,
+)
+from benchmarks.resume_benchmark.megatron_lm import OWNED_ARGUMENTS, base_arguments
+from benchmarks.resume_benchmark.report import expectation_problems, markdown_report, run_numbers
+from benchmarks.resume_benchmark.sides import Side
+
+MIB = 1 << 20
+
+
+def test_configurations_parse_and_cover_every_load_path() -> None:
+    assert parse_configurations("all") == list(CONFIGURATIONS)
+    assert parse_configurations(" moe, dp-reshardable ") == ["moe", "dp-reshardable"]
+    for bad in ("", "moe,nope"):
+        with pytest.raises(ValueError, match="choose from all, dp-reshardable"):
+            parse_configurations(bad)
+    assert {c.expectation for c in CONFIGURATIONS.values()} == set(Expectation)
+    for configuration in CONFIGURATIONS.values():
+        for size in SIZES:
+            arguments = configuration.script_arguments(size)
+            assert not {a for a in arguments if a.startswith("--")} & OWNED_ARGUMENTS
+            base_arguments(arguments, apex_fusion=False)  # the client runs every one of them
+    fsdp = CONFIGURATIONS["megatron-fsdp"].script_arguments("tiny")
+    assert fsdp[fsdp.index("--ckpt-format") + 1] == "fsdp_dtensor"
+    assert "--use-distributed-optimizer" not in CONFIGURATIONS["non-distributed-fp32"].arguments
+    assert "--bf16" not in CONFIGURATIONS["non-distributed-fp32"].arguments
+
+
+def test_configs_and_own_arguments_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--configs", "moe", "--", *USER_ARGS])
+    assert exited.value.code == 2 and "not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--", *USER_ARGS, "--save", "/x"])
+    assert exited.value.code == 2 and "--save: set by the client" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--configs", "nope"])
+    args = cli.build_parser().parse_args(["--size", "tiny", "--configs", "moe,precision-aware"])
+    runs = cli.requested_runs(args)
+    assert [(c["name"], c["expectation"]) for c, _ in runs] == [
+        ("moe", "ADOPTS"),
+        ("precision-aware", "KEEPS_LOADER"),
+    ]
+    assert runs[0][1][: len(SIZES["tiny"])] == list(SIZES["tiny"])
+    (own,) = cli.requested_runs(cli.build_parser().parse_args(["--", *USER_ARGS]))
+    assert own == ({"name": "your arguments", "description": None, "expectation": None}, USER_ARGS)
+
+
+# --------------------------------------------------------------------------- whole invocations
+
+
+def _side_probe(version: str, adoption: bool, file: str) -> dict[str, Any]:
+    return {
+        "python": "3.12", "torch": "2.x", "torch_cuda": None, "cuda_available": True,
+        "gpu_name": "stand-in", "driver": "n/a",
+        "transformer_engine": {"version": "2.20.2", "file": "/te", "error": None},
+        "megatron_core": {"version": version, "file": file, "site": str(Path(file).parents[2]),
+                          "has_state_adoption": adoption, "has_outcome_hooks": adoption,
+                          "error": None},
+    }  # fmt: skip
+
+
+def _invoke(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str, release: str = "0.19.2",
+    upstream_release: str | None = None,
+) -> tuple[int, Path]:  # fmt: skip
+    """``cli.main`` with the stand-in Megatron-LM tree; the side probes say ``release``."""
+    probed: list[str] = []
+
+    def probe(workspace: Any, side: Side) -> dict[str, Any]:
+        probed.append(side.label)
+        if side.label == "build":
+            return _side_probe(f"{release}+stateadoption", True, "/b/megatron/core/__init__.py")
+        version = upstream_release or release
+        return _side_probe(version, False, "/upstream/megatron/core/__init__.py")
+
+    monkeypatch.setattr(cli, "_probe", probe)
+    monkeypatch.setattr(cli, "check_cuda", lambda needed=1: None)
+    tree = _fake_megatron_lm(tmp_path / "Megatron-LM")
+    (tmp_path / "up").mkdir()
+    out = tmp_path / "out"
+    argv = ["--megatron-lm", str(tree), "--upstream", str(tmp_path / "up"), "--work-dir",
+            str(tmp_path / "work"), "--train-iters", "4", "--resume-at", "2", "--json-out",
+            str(out / "r.json"), "--markdown-out", str(out / "r.md"), *extra]  # fmt: skip
+    out.mkdir()
+    status = cli.main(argv)
+    assert probed[:2] == ["build", "upstream"]
+    return status, out
+
+
+def test_own_arguments_run_once_and_the_report_re_renders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status, out = _invoke(tmp_path, monkeypatch, "--deterministic", "--", *USER_ARGS)
+    assert status == cli.EXIT_OK
+    document = json.loads((out / "r.json").read_text())
+    (run,) = document["runs"]
+    assert run["configuration"]["name"] == "your arguments" and run["script_args"] == USER_ARGS
+    assert document["sides"]["upstream"]["version"] == "0.19.2"
+    assert document["sides"]["build"]["version"] == "0.19.2+stateadoption"
+    markdown = (out / "r.md").read_text()
+    assert markdown == markdown_report(document)  # the committed form re-renders
+    assert "- upstream: megatron-core 0.19.2 from `/upstream/megatron/core/__init__.py`" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| your arguments | build"))
+    assert row.split(" | ")[10:12] == ["yes", "yes"]  # losses and checkpoints
+    assert "Checkpoints saved at iteration 4 by the two resumes: identical" in markdown
+
+
+@pytest.mark.parametrize("release", ["0.16.1", "0.18.2"])
+def test_built_in_configurations_of_another_release_and_check_failing(
+    release: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stand-in saves nothing on the build side, so ``--check`` must fail the configuration
+    that predicts 8 B/param and pass the one that predicts no saving."""
+    argv = ["--configs", "dp-reshardable,precision-aware", "--size", "tiny", "--check"]
+    status, out = _invoke(tmp_path, monkeypatch, *argv, release=release)
+    assert status == cli.EXIT_EXPECTATION_MISSED
+    err = capsys.readouterr().err
+    assert "--check: dp-reshardable: the build's state was installed by" in err
+    assert "--check: precision-aware: avoided n/a MiB, expected 0.0 MiB" in err  # no CUDA: no peaks
+    document = json.loads((out / "r.json").read_text())
+    assert [r["configuration"]["name"] for r in document["runs"]] == ["dp-reshardable", "precision-aware"]
+    assert document["runs"][0]["script_args"][:2] == ["--num-layers", "2"]
+    assert document["runs"][0]["megatron_lm"].startswith("checkout ")
+    assert f"release 0.19, the build is megatron-core {release}+stateadoption" in " ".join(
+        document["runs"][0]["notes"]
+    )  # the stand-in tree is 0.19's: the user is told to use the matching branch
+
+
+def test_an_upstream_of_another_release_stops_before_any_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out = _invoke(tmp_path, monkeypatch, "--", *USER_ARGS, release="0.18.2", upstream_release="0.19.2")
+    assert status == cli.EXIT_WRONG_SIDES
+    assert "plain megatron-core 0.18.2" in capsys.readouterr().err
+    assert not (tmp_path / "work" / "your-arguments").exists() and not (out / "r.json").exists()
+
+
+# --------------------------------------------------------------------------- --check
+
+
+def _measured_run(expectation: str | None, build_rise: int, adopter: str | None) -> dict[str, Any]:
+    elements = 1_000_000_000
+    outcome = {"hook_point": "load", "adopter": adopter,
+               "optimizer": f"FusedAdam 0x1 (10 params, {elements:,} elements)"}  # fmt: skip
+    installed = f"{adopter} ×2" if adopter else "own loader ×2"
+    return {
+        "configuration": {"name": "c", "expectation": expectation},
+        "plan": {"train_iters": 10, "resume_at": 5, "deterministic": True},
+        "phases": {
+            "train": {"exit_code": 0},
+            "uninterrupted": {"exit_code": 0, "parameters": elements, "max_allocated_bytes": 30_000 * MIB},
+            "resume-upstream": {"exit_code": 0, "load_peak_over_baseline": 16 * elements,
+                                "first_memory_report": [6, 31_000.0]},
+            "resume-build": {"exit_code": 0, "load_peak_over_baseline": build_rise,
+                             "first_memory_report": [6, 30_000.0], "installed_by": installed,
+                             "outcomes": [outcome, outcome]},
+        },  # fmt: skip
+        "loss_differences": {"upstream": [], "build": []},
+        "checkpoint_differences": [],
+    }
+
+
+def test_check_holds_the_build_to_each_expectation() -> None:
+    adopted = _measured_run("ADOPTS", 8 * 1_000_000_000, "te_fused_adam_fp32")
+    assert expectation_problems(adopted) == []
+    numbers = run_numbers(adopted)
+    assert numbers.expected == numbers.avoided == 8_000_000_000 and numbers.elements == 1_000_000_000
+    short = _measured_run("ADOPTS", 9 * 1_000_000_000, "te_fused_adam_fp32")
+    assert expectation_problems(short) == [f"c: avoided {7e9 / MIB:,.1f} MiB, expected {8e9 / MIB:,.1f} MiB"]
+    declined = _measured_run("KEEPS_LOADER", 16 * 1_000_000_000, None)
+    assert expectation_problems(declined) == []
+    assert expectation_problems(_measured_run("KEEPS_LOADER", 8 * 1_000_000_000, None))
+    plugin = _measured_run("KEEPS_LOADER", 6 * 1_000_000_000, "te_fused_adam_precision_aware")
+    assert run_numbers(plugin).expected is None and expectation_problems(plugin) == []
+    broken = copy.deepcopy(adopted)
+    broken["loss_differences"]["build"] = ["7: 1 != 2"]
+    broken["checkpoint_differences"] = ["optimizer.state.exp_avg"]
+    broken["phases"]["resume-build"]["first_memory_report"] = [6, 30_002.0]
+    del broken["phases"]["resume-upstream"]
+    problems = expectation_problems(broken)
+    assert [p.split(":")[1].strip() for p in problems] == [
+        "resume-upstream failed or did not run",
+        "build",
+        "saved checkpoints differ",
+        "avoided n/a MiB, expected 7,629.4 MiB",
+        "the build's max allocated after the first resumed iteration (30002.0 MiB) exceeds the uninterrupted training peak (30,000.0 MiB)",
+    ]
