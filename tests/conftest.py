@@ -8,7 +8,7 @@ import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))
-sys.path.insert(0, str(TESTS_DIR.parent))  # benchmarks/ (its model builder serves the GPU tests)
+sys.path.insert(0, str(TESTS_DIR.parent))  # benchmarks/ (the benchmark tests; the GPU tests use its memory_timeline)
 
 from builders import standin_registry  # noqa: E402
 

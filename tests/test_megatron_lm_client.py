@@ -327,6 +327,58 @@ def test_probe_reports_a_run_without_a_load(tmp_path: Path) -> None:
     assert record["max_allocated_bytes"] == 0  # no CUDA: torch's statistics are empty
 
 
+PHASED_LOAD = """
+import torch
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import FP32Optimizer
+
+
+def _enter(function, *args):
+    # Only the function's start matters here: its PY_START event opens a phase.
+    try:
+        function(*args)
+    except Exception:
+        pass
+
+
+def load_checkpoint():
+    _enter(DistributedOptimizer.sharded_state_dict, None, None)  # pass 1 ...
+    _enter(DistributedOptimizer.load_state_dict, None, None)  # ... and its scaffold load
+    _enter(serialization.load, None, None)  # the read
+    torch.nn.Linear(2, 2).load_state_dict(torch.nn.Linear(2, 2).state_dict())  # the model
+    _enter(FP32Optimizer.load_state_dict, None, None)  # pass 2
+    _enter(DistributedOptimizer.sharded_state_dict, None, None)  # opens nothing more
+    return 0
+"""
+
+
+def test_probe_opens_the_load_phases_at_the_real_functions(tmp_path: Path) -> None:
+    """The probe's ``sys.monitoring`` events on the real megatron-core and torch functions, in
+    Megatron-LM's load order; pass 1's own ``load_state_dict`` opens no phase."""
+    from benchmarks.resume_benchmark.megatron_lm_probe import PHASE_ORDER, phase_codes
+
+    assert sorted(set(phase_codes().values())) == sorted(PHASE_ORDER)  # all found in the build
+    (tmp_path / "megatron" / "training").mkdir(parents=True)
+    (tmp_path / "megatron" / "training" / "__init__.py").write_text("")
+    (tmp_path / "megatron" / "training" / "checkpointing.py").write_text(PHASED_LOAD)
+    (tmp_path / "pretrain_gpt.py").write_text(
+        "from megatron.training.checkpointing import load_checkpoint\nload_checkpoint()\n"
+    )
+    code = (
+        "import sys\n"
+        "from benchmarks.resume_benchmark.megatron_lm_probe import main\n"
+        f"sys.exit(main(['--client', {str(tmp_path)!r}, '--result', {str(tmp_path / 'r.json')!r},"
+        " 'pretrain_gpt.py']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    load = json.loads((tmp_path / "r.rank0.json").read_text())["load"]
+    assert [label for label, _ in load["phases"]] == list(PHASE_ORDER)
+    seconds = [t for _, t in load["phases"]]
+    assert seconds == sorted(seconds) and seconds[-1] <= load["seconds"]
+
+
 @pytest.mark.parametrize("mode", ["default", "deterministic"])
 def test_committed_h200_results_render_unchanged(mode: str) -> None:
     """docs/gpu-results/session-13-megatron-lm: the report re-renders from its JSON."""

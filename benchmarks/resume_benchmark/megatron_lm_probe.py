@@ -8,16 +8,17 @@ One rank of a ``torch.distributed.run`` launch of the Megatron-LM client (:mod:`
 The script runs as ``__main__`` with the client tree first on ``sys.path``; the probe only
 observes. ``sys.monitoring`` events of Megatron-LM's ``load_checkpoint`` mark the load's start
 and return, where the allocator statistics are read without resetting them (so Megatron's own
-"max allocated" report is unchanged). Each rank writes ``R.rank<r>.json``::
+"max allocated" report is unchanged); ``PY_START`` of the functions in
+:data:`PHASE_FUNCTIONS` opens the load's phases. Each rank writes ``R.rank<r>.json``::
 
     {"load": {"baseline_bytes", "peak_before_bytes", "peak_bytes", "end_bytes", "seconds",
-              "memory_timeline"} | None,
+              "phases": [[phase, seconds since the load began], ...], "memory_timeline"} | None,
      "max_allocated_bytes", "exit_code", "state_adoption": {"adopters", "outcomes"},
      "modules": {"megatron.core": FILE, "megatron.training": FILE}}
 
 ``load.peak_bytes`` is None when the load did not raise the process's peak;
-``load.memory_timeline`` is the load's :class:`~.memory_timeline.Timeline` (no phases), or an
-``{"error": ...}`` record.
+``load.memory_timeline`` is the load's :class:`~.memory_timeline.Timeline` (with those
+phases), or an ``{"error": ...}`` record.
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import CodeType
-from typing import Any
+from typing import Any, Final
 
 from benchmarks.resume_benchmark.driver import rank_result_path
 from benchmarks.resume_benchmark.memory_timeline import (
+    PHASE_MODEL,
+    PHASE_PAYLOAD,
+    PHASE_READ,
+    PHASE_SCAFFOLD,
     LoadTimeline,
     finished_timeline,
     started_timeline,
@@ -47,16 +52,64 @@ from benchmarks.resume_benchmark.results import (
 #: The Megatron-LM function whose allocator peak is the load peak.
 LOAD_FUNCTION = ("megatron.training.checkpointing", "load_checkpoint")
 
+#: Functions whose first call inside the load opens a phase of its timeline (module, qualified
+#: name, phase): the optimizers' sharded state dict (pass 1, the scaffold the checkpoint is read
+#: into), the read, the model's ``load_state_dict`` and the optimizers' (pass 2). Phases open in
+#: :data:`PHASE_ORDER` only, so pass 1's own ``load_state_dict`` call opens nothing.
+PHASE_FUNCTIONS: Final = tuple(
+    (module, f"{owner}.{method}", phase)
+    for module, owners in (
+        ("megatron.core.optimizer.distrib_optimizer", ("DistributedOptimizer",)),
+        (
+            "megatron.core.optimizer.optimizer",
+            ("Float16OptimizerWithFloat16Params", "FP32Optimizer"),
+        ),
+    )
+    for owner in owners
+    for method, phase in (
+        ("sharded_state_dict", PHASE_SCAFFOLD),
+        ("load_state_dict", PHASE_PAYLOAD),
+    )
+) + (
+    ("megatron.core.dist_checkpointing.serialization", "load", PHASE_READ),
+    ("torch.nn.modules.module", "Module.load_state_dict", PHASE_MODEL),
+)
+#: A phase opens only after the read began (model, pass 2) and never before one it follows.
+PHASE_ORDER: Final = (PHASE_SCAFFOLD, PHASE_READ, PHASE_MODEL, PHASE_PAYLOAD)
+
 _TOOL_NAME = "resume-benchmark load probe"
 
 
 class LoadWatch:
     """Allocator readings at the start and return of one function (first call only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, phases: dict[CodeType, str] | None = None) -> None:
         self.record: dict[str, Any] | None = None
         self._started = 0.0
         self._timeline: LoadTimeline | dict[str, str] = {"error": "the load never began"}
+        self._phases = phases or {}
+        self.opened: list[tuple[str, float]] = []
+
+    def start(self, code: CodeType, offset: int) -> Any:
+        """``PY_START`` of a watched function: the load's start, or a phase of it."""
+        if code not in self._phases:
+            return self.begin(code, offset)
+        if self.record is None or "end_bytes" in self.record:
+            return None if self.record is None else sys.monitoring.DISABLE
+        phase = self._phases[code]
+        if self.phase_opens(phase):
+            self.opened.append((phase, time.perf_counter() - self._started))
+            if isinstance(self._timeline, LoadTimeline):
+                self._timeline.mark(phase)
+        return sys.monitoring.DISABLE if phase in dict(self.opened) else None
+
+    def phase_opens(self, phase: str) -> bool:
+        """Whether ``phase`` opens now: later in :data:`PHASE_ORDER` than every opened one, and
+        the model and pass 2 only once the read began."""
+        done = [PHASE_ORDER.index(p) for p, _ in self.opened]
+        index = PHASE_ORDER.index(phase)
+        after_read = index <= 1 or PHASE_ORDER.index(PHASE_READ) in done
+        return after_read and all(index > d for d in done)
 
     def begin(self, code: CodeType, offset: int) -> Any:
         """``PY_START``: the load begins; read the level and the peak so far."""
@@ -83,6 +136,7 @@ class LoadWatch:
             self.record["peak_bytes"] = peak if peak > self.record["peak_before_bytes"] else None
             self.record["end_bytes"] = torch.cuda.memory_allocated()
             self.record["seconds"] = seconds
+            self.record["phases"] = [[label, round(t, 6)] for label, t in self.opened]
             self.record["memory_timeline"] = finished_timeline(self._timeline)
         return sys.monitoring.DISABLE
 
@@ -93,18 +147,39 @@ def _synchronize(torch: Any) -> None:
         torch.cuda.synchronize()
 
 
-def watch_load(watch: LoadWatch) -> int:
-    """Route ``PY_START``/``PY_RETURN`` of Megatron-LM's ``load_checkpoint`` to ``watch``."""
+def _code(module_name: str, qualified_name: str) -> CodeType | None:
+    """The code object of ``module_name.qualified_name`` (None: not in this megatron-core)."""
     import importlib
 
-    module_name, function_name = LOAD_FUNCTION
-    code = getattr(importlib.import_module(module_name), function_name).__code__
+    try:
+        target: Any = importlib.import_module(module_name)
+        for name in qualified_name.split("."):
+            target = getattr(target, name)
+        return target.__code__  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        return None
+
+
+def phase_codes() -> dict[CodeType, str]:
+    """The code objects of :data:`PHASE_FUNCTIONS` this process has, and their phases."""
+    found = {_code(module, name): phase for module, name, phase in PHASE_FUNCTIONS}
+    return {code: phase for code, phase in found.items() if code is not None}
+
+
+def watch_load(watch: LoadWatch, phases: dict[CodeType, str]) -> int:
+    """Route ``PY_START``/``PY_RETURN`` of Megatron-LM's ``load_checkpoint`` and ``PY_START`` of
+    the ``phases`` functions to ``watch``."""
+    code = _code(*LOAD_FUNCTION)
+    if code is None:
+        raise ImportError(f"no {'.'.join(LOAD_FUNCTION)} in the client tree")
     events = sys.monitoring.events
     tool = sys.monitoring.PROFILER_ID
     sys.monitoring.use_tool_id(tool, _TOOL_NAME)
-    sys.monitoring.register_callback(tool, events.PY_START, watch.begin)
+    sys.monitoring.register_callback(tool, events.PY_START, watch.start)
     sys.monitoring.register_callback(tool, events.PY_RETURN, watch.end)
     sys.monitoring.set_local_events(tool, code, events.PY_START | events.PY_RETURN)
+    for phase_code in phases:
+        sys.monitoring.set_local_events(tool, phase_code, events.PY_START)
     return tool
 
 
@@ -130,8 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.path.insert(0, str(args.client))
     import torch
 
-    watch = LoadWatch()
-    tool = watch_load(watch)
+    phases = phase_codes()
+    watch = LoadWatch(phases)
+    tool = watch_load(watch, phases)
     with recording_outcomes() as outcomes:
         exit_code = run_script(args.client / args.script, args.script_args)
     sys.monitoring.free_tool_id(tool)

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
@@ -140,20 +140,3 @@ def installed_by_text(record: Mapping[str, Any] | None) -> str | None:
     """E.g. ``te_fused_adam_fp32 ×2``; None when nothing was recorded (upstream)."""
     counts = installed_by(record)
     return ", ".join(f"{name} ×{count}" for name, count in counts.items()) or None
-
-
-def fallback_text(record: Mapping[str, Any] | None) -> str | None:
-    """Why the first inner ``load_state_dict`` call that fell back did, with each decline."""
-    for outcome in load_outcomes(record):
-        if not outcome.get("adopter"):
-            pairs = outcome.get("declines") or []
-            declines = "; ".join(f"{name}: {reason}" for name, reason in pairs)
-            return f"{outcome.get('fallback_reason')}" + (f" ({declines})" if declines else "")
-    return None
-
-
-def adopters_text(adopters: Sequence[str] | None) -> str:
-    """Registered adopters for one line of text (``none``; or the subsystem is missing)."""
-    if adopters is None:
-        return "no state-adoption subsystem"
-    return ", ".join(adopters) if adopters else "none"
