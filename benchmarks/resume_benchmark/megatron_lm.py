@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from benchmarks.resume_benchmark.driver import PhaseOutcome, Workspace, report_failure, run_phase
-from benchmarks.resume_benchmark.results import installed_by_text, progress
+from benchmarks.resume_benchmark.megatron_lm_probe import LoadRecord
+from benchmarks.resume_benchmark.results import OutcomeRecord, installed_by_text, progress
 from benchmarks.resume_benchmark.sides import Side
 
 SCRIPT: Final = "pretrain_gpt.py"
@@ -351,14 +352,14 @@ class PhaseRecord:
     exit_code: int
     seconds: float
     log: str
-    load: dict[str, Any] | None = None
+    load: LoadRecord | None = None
     max_allocated_bytes: int | None = None
     first_memory_report: tuple[int, float] | None = None
     losses: dict[int, float | str] = field(default_factory=dict)
     loss_source: str = "console"
     parameters: int | None = None
     installed_by: str | None = None
-    outcomes: list[dict[str, Any]] | None = None
+    outcomes: list[OutcomeRecord] | None = None
     peak_rank: int = 0
     rank_load_peaks: list[int | None] = field(default_factory=list)
     modules: dict[str, str | None] = field(default_factory=dict)
@@ -369,11 +370,10 @@ class PhaseRecord:
         return load_rise(self.load)
 
 
-def load_rise(load: Mapping[str, Any] | None) -> int | None:
+def load_rise(load: LoadRecord | None) -> int | None:
     """A probe's load peak over the level the load began at (None: no load, or no new peak)."""
-    if not load or load.get("peak_bytes") is None:
-        return None
-    return int(load["peak_bytes"]) - int(load["baseline_bytes"])
+    peak = (load or {}).get("peak_bytes")
+    return None if load is None or peak is None else peak - load["baseline_bytes"]
 
 
 def phase_record(phase: str, side: str, outcome: PhaseOutcome, tensorboard: Path) -> PhaseRecord:
@@ -386,7 +386,7 @@ def phase_record(phase: str, side: str, outcome: PhaseOutcome, tensorboard: Path
     peaks = [int(r["max_allocated_bytes"]) for r in ranks if r.get("max_allocated_bytes")]
     exact = tensorboard_losses(tensorboard)
     losses: dict[int, float | str] = dict(exact) if exact else dict(console_losses(text))
-    adoption: dict[str, Any] = result.get("state_adoption") or {}
+    adoption = result.get("state_adoption") or {}
     return PhaseRecord(
         phase=phase,
         side=side,
@@ -485,7 +485,7 @@ def compare_torch_dist(
 _OPTIMIZER_ELEMENTS = re.compile(r"\(\d+ params, ([\d,]+) elements\)$")
 
 
-def optimizer_elements(outcomes: Sequence[Mapping[str, Any]] | None) -> int | None:
+def optimizer_elements(outcomes: Sequence[OutcomeRecord] | None) -> int | None:
     """Elements of the inner optimizers whose loads the outcomes name (each counted once):
     the optimizer state a rank holds, e.g. 1/DP of the model with the distributed optimizer."""
     described = {str(o.get("optimizer")) for o in outcomes or [] if o.get("hook_point") == "load"}

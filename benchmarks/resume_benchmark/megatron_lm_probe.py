@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import CodeType
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 from benchmarks.resume_benchmark.driver import rank_result_path
 from benchmarks.resume_benchmark.memory_timeline import (
@@ -43,7 +43,9 @@ from benchmarks.resume_benchmark.memory_timeline import (
     finished_timeline,
     started_timeline,
 )
+from benchmarks.resume_benchmark.memory_timeline import Timeline
 from benchmarks.resume_benchmark.results import (
+    AdoptionRecord,
     recording_outcomes,
     registered_adopter_names,
     write_json,
@@ -80,11 +82,33 @@ PHASE_ORDER: Final = (PHASE_SCAFFOLD, PHASE_READ, PHASE_MODEL, PHASE_PAYLOAD)
 _TOOL_NAME = "resume-benchmark load probe"
 
 
+class LoadRecord(TypedDict, total=False):
+    """The allocator around one load (see the module docstring)."""
+
+    baseline_bytes: int
+    peak_before_bytes: int
+    peak_bytes: int | None
+    end_bytes: int
+    seconds: float
+    phases: list[tuple[str, float]]
+    memory_timeline: Timeline | dict[str, str]
+
+
+class RankRecord(TypedDict):
+    """What one rank writes (see the module docstring)."""
+
+    load: LoadRecord | None
+    max_allocated_bytes: int
+    exit_code: int
+    state_adoption: AdoptionRecord
+    modules: dict[str, str | None]
+
+
 class LoadWatch:
     """Allocator readings at the start and return of one function (first call only)."""
 
     def __init__(self, phases: dict[CodeType, str] | None = None) -> None:
-        self.record: dict[str, Any] | None = None
+        self.record: LoadRecord | None = None
         self._started = 0.0
         self._timeline: LoadTimeline | dict[str, str] = {"error": "the load never began"}
         self._phases = phases or {}
@@ -118,10 +142,10 @@ class LoadWatch:
         if self.record is None:
             _synchronize(torch)
             self._started = time.perf_counter()
-            self.record = {
-                "baseline_bytes": torch.cuda.memory_allocated(),
-                "peak_before_bytes": torch.cuda.max_memory_allocated(),
-            }
+            self.record = LoadRecord(
+                baseline_bytes=torch.cuda.memory_allocated(),
+                peak_before_bytes=torch.cuda.max_memory_allocated(),
+            )
             self._timeline = started_timeline(self.record["baseline_bytes"])
         return sys.monitoring.DISABLE
 
@@ -136,7 +160,7 @@ class LoadWatch:
             self.record["peak_bytes"] = peak if peak > self.record["peak_before_bytes"] else None
             self.record["end_bytes"] = torch.cuda.memory_allocated()
             self.record["seconds"] = seconds
-            self.record["phases"] = [[label, round(t, 6)] for label, t in self.opened]
+            self.record["phases"] = [(label, round(t, 6)) for label, t in self.opened]
             self.record["memory_timeline"] = finished_timeline(self._timeline)
         return sys.monitoring.DISABLE
 
@@ -212,17 +236,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_code = run_script(args.client / args.script, args.script_args)
     sys.monitoring.free_tool_id(tool)
     rank = int(os.environ.get("RANK", "0"))
-    record = {
-        "load": watch.record,
-        "max_allocated_bytes": torch.cuda.max_memory_allocated(),
-        "exit_code": exit_code,
-        "state_adoption": {"adopters": registered_adopter_names(), "outcomes": outcomes},
-        "modules": {
+    record = RankRecord(
+        load=watch.record,
+        max_allocated_bytes=torch.cuda.max_memory_allocated(),
+        exit_code=exit_code,
+        state_adoption=AdoptionRecord(adopters=registered_adopter_names(), outcomes=outcomes),
+        modules={
             name: getattr(sys.modules.get(name), "__file__", None)
             for name in ("megatron.core", "megatron.training")
         },
-    }
-    write_json(rank_result_path(args.result, rank), record)
+    )
+    write_json(rank_result_path(args.result, rank), dict(record))
     return exit_code
 
 

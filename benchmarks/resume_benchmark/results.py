@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypedDict, cast
 
 #: Prefix of the progress lines launches print; the driver echoes these lines to its stdout.
 PROGRESS_MARKER = "[resume-benchmark]"
@@ -61,6 +61,28 @@ LOAD_HOOK_POINT: Final = "load"
 OWN_LOADER: Final = "own loader"
 
 
+class OutcomeRecord(TypedDict, total=False):
+    """One state-adoption outcome (``StateAdoptionOutcome.to_json()`` of the build)."""
+
+    hook_point: str | None
+    optimizer: str
+    adopter: str | None
+    method: str
+    reused_bytes: int
+    allocated_bytes: int
+    declines: list[list[str]]
+    fallback_reason: str | None
+    error: str | None
+
+
+class AdoptionRecord(TypedDict):
+    """What a run's probe recorded of the state adoption: the registered adopters and every
+    outcome (both None without the subsystem or its outcome hooks: upstream)."""
+
+    adopters: list[str] | None
+    outcomes: list[OutcomeRecord] | None
+
+
 def registered_adopter_names() -> list[str] | None:
     """Names of the process-wide registry's adopters; None without a state-adoption subsystem."""
     try:
@@ -80,7 +102,7 @@ def has_outcome_hooks() -> bool:
 
 
 @contextmanager
-def recording_outcomes() -> Iterator[list[dict[str, Any]] | None]:
+def recording_outcomes() -> Iterator[list[OutcomeRecord] | None]:
     """Collect the state-adoption outcome of every call inside the ``with`` block.
 
     Yields the list the outcomes' ``to_json()`` dicts are appended to, or None when this
@@ -92,13 +114,13 @@ def recording_outcomes() -> Iterator[list[dict[str, Any]] | None]:
     except ImportError:
         yield None
         return
-    outcomes: list[dict[str, Any]] = []
+    outcomes: list[OutcomeRecord] = []
 
     def record(outcome: Any) -> None:
         try:
-            outcomes.append(outcome.to_json())
+            outcomes.append(cast(OutcomeRecord, outcome.to_json()))
         except Exception as exc:  # noqa: BLE001 - a malformed outcome is recorded as such
-            outcomes.append({"hook_point": None, "adopter": None, "error": one_line(exc)})
+            outcomes.append(OutcomeRecord(hook_point=None, adopter=None, error=one_line(exc)))
 
     handle = register_outcome_hook(record)
     try:

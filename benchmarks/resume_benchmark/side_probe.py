@@ -17,13 +17,46 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from benchmarks.resume_benchmark.driver import rank_result_path
 from benchmarks.resume_benchmark.results import has_outcome_hooks, one_line, write_json
 
 
-def megatron_core_info() -> dict[str, Any]:
+class CoreInfo(TypedDict, total=False):
+    """The ``megatron.core`` a side imports (``error``: why it could not)."""
+
+    version: str | None
+    file: str | None
+    site: str
+    has_state_adoption: bool
+    has_outcome_hooks: bool
+    error: str | None
+
+
+class PackageInfo(TypedDict):
+    """An imported package: version and file, or the error of the import."""
+
+    version: str | None
+    file: str | None
+    error: str | None
+
+
+class SideProbe(TypedDict):
+    """What :func:`probe` records."""
+
+    python: str
+    executable: str
+    torch: str
+    torch_cuda: str | None
+    cuda_available: bool
+    gpu_name: str | None
+    driver: str | None
+    transformer_engine: PackageInfo
+    megatron_core: CoreInfo
+
+
+def megatron_core_info() -> CoreInfo:
     """Version, file and state-adoption presence of the ``megatron.core`` this process imports."""
     import megatron.core
 
@@ -37,13 +70,14 @@ def megatron_core_info() -> dict[str, Any]:
     if version is None:
         version = str(getattr(megatron.core, "__version__", "unknown"))
     has_adoption = importlib.util.find_spec("megatron.core.optimizer.state_adoption") is not None
-    return {
-        "version": version,
-        "file": str(core_file),
-        "site": str(site_dir),
-        "has_state_adoption": has_adoption,
-        "has_outcome_hooks": has_adoption and has_outcome_hooks(),
-    }
+    return CoreInfo(
+        version=version,
+        file=str(core_file),
+        site=str(site_dir),
+        has_state_adoption=has_adoption,
+        has_outcome_hooks=has_adoption and has_outcome_hooks(),
+        error=None,
+    )
 
 
 def _driver_version() -> str:
@@ -63,36 +97,39 @@ def _driver_version() -> str:
         return f"unknown ({one_line(exc)})"
 
 
-def probe() -> dict[str, Any]:
+def _transformer_engine() -> PackageInfo:
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch  # noqa: F401
+
+        version = importlib.metadata.version("transformer_engine")
+        return PackageInfo(
+            version=version, file=str(Path(transformer_engine.__file__ or "").resolve()), error=None
+        )
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return PackageInfo(version=None, file=None, error=one_line(exc))
+
+
+def probe() -> SideProbe:
     """Environment report; never raises for a missing TE/megatron-core (it records the error)."""
     import torch  # before transformer_engine, which finds NCCL through torch
 
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "executable": sys.executable,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "gpu_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "driver": _driver_version() if torch.cuda.is_available() else None,
-    }
     try:
-        import transformer_engine  # noqa: F401
-        import transformer_engine.pytorch  # noqa: F401
-
-        info["transformer_engine"] = {
-            "version": importlib.metadata.version("transformer_engine"),
-            "file": str(Path(transformer_engine.__file__ or "").resolve()),
-            "error": None,
-        }
+        core = megatron_core_info()
     except Exception as exc:  # noqa: BLE001 - reported, not raised
-        info["transformer_engine"] = {"version": None, "file": None, "error": one_line(exc)}
-    try:
-        info["megatron_core"] = megatron_core_info()
-        info["megatron_core"]["error"] = None
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
-        info["megatron_core"] = {"version": None, "file": None, "error": one_line(exc)}
-    return info
+        core = CoreInfo(version=None, file=None, error=one_line(exc))
+    cuda = torch.cuda.is_available()
+    return SideProbe(
+        python=platform.python_version(),
+        executable=sys.executable,
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        cuda_available=cuda,
+        gpu_name=torch.cuda.get_device_name(0) if cuda else None,
+        driver=_driver_version() if cuda else None,
+        transformer_engine=_transformer_engine(),
+        megatron_core=core,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="side_probe", description=__doc__)
     parser.add_argument("--result", type=Path, required=True)
     args = parser.parse_args(argv)
-    write_json(rank_result_path(args.result, 0), probe())
+    write_json(rank_result_path(args.result, 0), dict(probe()))
     return 0
 
 
