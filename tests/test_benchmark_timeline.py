@@ -326,6 +326,16 @@ def test_figure_is_deterministic(figures: Any, tmp_path: Path) -> None:
     assert first == second
 
 
+def test_figure_without_phases_has_no_strip(figures: Any, tmp_path: Path) -> None:
+    sides = {label: {**t, "phases": []} for label, t in _two_sides().items()}
+    unphased = figures.CaseTimelines("dp-reshardable", sides, params=50_000_000)
+    phased = figures.CaseTimelines("dp-reshardable", _two_sides(), params=50_000_000)
+    plain = figures.render_case_figure(unphased, tmp_path / "plain.png")
+    with_bars = figures.render_case_figure(phased, tmp_path / "bars.png")
+    assert _png_size(plain) == _png_size(with_bars)
+    assert plain.read_bytes() != with_bars.read_bytes()
+
+
 def test_figure_with_one_side_and_no_parameter_count(figures: Any, tmp_path: Path) -> None:
     timeline = recorded_resume(scaffold_bytes_per_param=4)
     timelines = figures.CaseTimelines("moe", {"build": timeline, "broken": {"unit": "?"}})

@@ -13,9 +13,10 @@ writes ``DIR/<configuration>.png`` for every run whose resumes carry a ``memory_
 
 Each figure: both sides' allocated bytes over the pre-load baseline against the time since the
 load began, on the same axes (left: MiB or GiB; right: bytes per parameter on the rank when the
-parameter count is known); each side's peak marked and labelled (MiB and B/param); under it, one
-bar per side showing its load phases (pass 1, checkpoint read, model, pass 2) on the same time
-axis, with the phase starts as faint vertical lines in the side's colour above.
+parameter count is known); each side's peak marked and labelled (MiB and B/param); where the
+probe recorded the load's phases, under it one bar per side showing them (pass 1, checkpoint
+read, model, pass 2) on the same time axis, with the phase starts as faint vertical lines in the
+side's colour above.
 """
 
 from __future__ import annotations
@@ -101,9 +102,13 @@ def render_case_figure(timelines: CaseTimelines, out_path: Path, *, dpi: int = D
 
     figure = Figure(figsize=FIGSIZE, dpi=dpi, layout="constrained")
     FigureCanvasAgg(figure)
-    grid = figure.add_gridspec(2, 1, height_ratios=(5.0, 0.55 + 0.45 * len(sides)))
-    ax = figure.add_subplot(grid[0])
-    strip = figure.add_subplot(grid[1], sharex=ax)
+    phased = any(t.get("phases") for t in sides.values())  # else no strip of phase bars
+    if phased:
+        grid = figure.add_gridspec(2, 1, height_ratios=(5.0, 0.55 + 0.45 * len(sides)))
+        ax = figure.add_subplot(grid[0])
+        strip = figure.add_subplot(grid[1], sharex=ax)
+    else:
+        ax = strip = figure.add_subplot()
 
     peaks: list[tuple[str, str, float, float, int]] = []  # side, colour, time, level, bytes
     ax.axhline(0.0, color="#555555", linewidth=0.9, linestyle="-", zorder=1)
@@ -136,7 +141,8 @@ def render_case_figure(timelines: CaseTimelines, out_path: Path, *, dpi: int = D
             ax.axvline(
                 float(phase["start_s"]), color=colour, linewidth=0.8, linestyle="--", alpha=0.3
             )
-        _draw_phase_bar(strip, len(sides) - 1 - index, timeline, colour, end_s)
+        if phased:
+            _draw_phase_bar(strip, len(sides) - 1 - index, timeline, colour, end_s)
 
     ax.set_ylabel(f"allocated over baseline ({unit})")
     ax.grid(True, axis="y", color="#dddddd", linewidth=0.6)
@@ -145,7 +151,7 @@ def render_case_figure(timelines: CaseTimelines, out_path: Path, *, dpi: int = D
     low = min(low, 0.0)
     ax.set_ylim(low - (high - low) * 0.05, high + (high - low) * 0.16)
     _annotate_peaks(ax, peaks, params, end_s)
-    ax.tick_params(labelbottom=False)
+    ax.tick_params(labelbottom=not phased)
     ax.legend(loc="upper left", fontsize=9, frameon=False)
     if params:
         per_unit = scale / params  # bytes per parameter of one unit on the left axis
@@ -159,12 +165,13 @@ def render_case_figure(timelines: CaseTimelines, out_path: Path, *, dpi: int = D
         secondary = ax.secondary_yaxis("right", functions=(to_per_param, from_per_param))
         secondary.set_ylabel("bytes per parameter on the rank")
 
-    strip.set_yticks(range(len(sides)), [label for label in reversed(list(sides))])
-    strip.set_ylim(-0.6, len(sides) - 0.4)
     strip.set_xlabel("time since the load began (s)")
-    strip.tick_params(axis="y", length=0)
-    for spine in ("top", "right", "left"):
-        strip.spines[spine].set_visible(False)
+    if phased:
+        strip.set_yticks(range(len(sides)), [label for label in reversed(list(sides))])
+        strip.set_ylim(-0.6, len(sides) - 0.4)
+        strip.tick_params(axis="y", length=0)
+        for spine in ("top", "right", "left"):
+            strip.spines[spine].set_visible(False)
 
     figure.supxlabel(_phase_key(sides), fontsize=7.5, color="#555555")
     figure.suptitle(f"{timelines.case}: allocated GPU memory during the resume", fontsize=12)
