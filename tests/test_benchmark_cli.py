@@ -208,3 +208,19 @@ def test_check_holds_the_build_to_each_expectation() -> None:
         "avoided n/a MiB, expected 7,629.4 MiB",
         "the build's max allocated after the first resumed iteration (30002.0 MiB) exceeds the uninterrupted training peak (30,000.0 MiB)",
     ]
+
+
+def test_the_committed_h200_suite_re_renders_and_meets_its_expectations() -> None:
+    """docs/gpu-results/session-14-megatron-lm-suite: the report re-renders from its JSON, and
+    ``--check``'s verdicts on it are what the GPU report states."""
+    results = Path(__file__).resolve().parents[1] / "docs/gpu-results/session-14-megatron-lm-suite"
+    document = json.loads((results / "suite.json").read_text())
+    assert markdown_report(document) == (results / "suite.md").read_text()
+    verdicts = {run["configuration"]["name"]: expectation_problems(run) for run in document["runs"]}
+    assert {name for name, problems in verdicts.items() if problems} == {"moe"}  # failed to train
+    for run in document["runs"][:5]:  # the FP32 modes: the default adopter, 8 B/param avoided
+        numbers = run_numbers(run)
+        assert numbers.expected == 8 * numbers.elements and numbers.elements == 203_716_608
+        assert 0.999 < numbers.avoided / numbers.expected < 1.0  # type: ignore[operator]
+    precision_aware = run_numbers(document["runs"][5])
+    assert precision_aware.extra == ("te_fused_adam_precision_aware",) and precision_aware.expected is None

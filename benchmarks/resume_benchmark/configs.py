@@ -94,9 +94,9 @@ CONFIGURATIONS: Final[Mapping[str, Configuration]] = {
         Configuration(
             "moe",
             (*_DISTRIBUTED, "--num-experts", "4", "--moe-ffn-hidden-size", "2048",
-             "--moe-router-topk", "2", "--swiglu"),
-            _ADOPTS, "4 experts, top-2, SwiGLU (the MoE MLP's probability scaling needs it): a "
-            "ChainedOptimizer of a dense and an expert optimizer",
+             "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear"),
+            _ADOPTS, "4 experts, top-2, SwiGLU without biases (the experts' fused probability "
+            "scaling needs both): a ChainedOptimizer of a dense and an expert optimizer",
         ),
         Configuration(
             "megatron-fsdp",
