@@ -307,13 +307,13 @@ def test_the_command_line_refuses_without_cuda(capsys: pytest.CaptureFixture[str
     assert "cannot run here" in capsys.readouterr().err
 
 
-def test_probe_reports_a_run_without_a_load(tmp_path: Path) -> None:
-    """The probe on the CPU: a script that never loads leaves ``load`` None, its exit code kept."""
+def _probe_script(tmp_path: Path, checkpointing: str, script: str) -> tuple[int, dict[str, Any], str]:
+    """Run ``script`` under the probe (a subprocess, as each rank runs) with a client tree whose
+    ``megatron.training.checkpointing`` is ``checkpointing``; exit code, record and stderr."""
     (tmp_path / "megatron" / "training").mkdir(parents=True)
-    (tmp_path / "megatron" / "training" / "checkpointing.py").write_text(
-        "def load_checkpoint():\n    return 0\n"
-    )
-    (tmp_path / "pretrain_gpt.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "megatron" / "training" / "__init__.py").write_text("")
+    (tmp_path / "megatron" / "training" / "checkpointing.py").write_text(checkpointing)
+    (tmp_path / "pretrain_gpt.py").write_text(script)
     code = (
         "import sys\n"
         "from benchmarks.resume_benchmark.megatron_lm_probe import main\n"
@@ -321,10 +321,19 @@ def test_probe_reports_a_run_without_a_load(tmp_path: Path) -> None:
         " 'pretrain_gpt.py']))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 3, done.stderr
     record = json.loads((tmp_path / "r.rank0.json").read_text())
+    return done.returncode, record, done.stderr
+
+
+def test_probe_reports_a_run_without_a_load(tmp_path: Path) -> None:
+    """The probe on the CPU: a script that never loads leaves ``load`` None, its exit code kept."""
+    code, record, stderr = _probe_script(
+        tmp_path, "def load_checkpoint():\n    return 0\n", "import sys\nsys.exit(3)\n"
+    )
+    assert code == 3, stderr
     assert record["load"] is None and record["exit_code"] == 3
     assert record["max_allocated_bytes"] == 0  # no CUDA: torch's statistics are empty
+    assert record["modules"]["megatron.training"].startswith(str(tmp_path))
 
 
 PHASED_LOAD = """
@@ -359,21 +368,10 @@ def test_probe_opens_the_load_phases_at_the_real_functions(tmp_path: Path) -> No
     from benchmarks.resume_benchmark.megatron_lm_probe import PHASE_ORDER, phase_codes
 
     assert sorted(set(phase_codes().values())) == sorted(PHASE_ORDER)  # all found in the build
-    (tmp_path / "megatron" / "training").mkdir(parents=True)
-    (tmp_path / "megatron" / "training" / "__init__.py").write_text("")
-    (tmp_path / "megatron" / "training" / "checkpointing.py").write_text(PHASED_LOAD)
-    (tmp_path / "pretrain_gpt.py").write_text(
-        "from megatron.training.checkpointing import load_checkpoint\nload_checkpoint()\n"
-    )
-    code = (
-        "import sys\n"
-        "from benchmarks.resume_benchmark.megatron_lm_probe import main\n"
-        f"sys.exit(main(['--client', {str(tmp_path)!r}, '--result', {str(tmp_path / 'r.json')!r},"
-        " 'pretrain_gpt.py']))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    load = json.loads((tmp_path / "r.rank0.json").read_text())["load"]
+    script = "from megatron.training.checkpointing import load_checkpoint\nload_checkpoint()\n"
+    code, record, stderr = _probe_script(tmp_path, PHASED_LOAD, script)
+    assert code == 0, stderr
+    load = record["load"]
     assert [label for label, _ in load["phases"]] == list(PHASE_ORDER)
     seconds = [t for _, t in load["phases"]]
     assert seconds == sorted(seconds) and seconds[-1] <= load["seconds"]

@@ -1,7 +1,7 @@
-"""The GPU tests' Megatron-Core checkpointing: save, load, state fingerprints, outcome recording.
+"""The GPU tests' Megatron-Core checkpointing: save, load and state fingerprints.
 
 Moved from the resume benchmark (``benchmarks/resume_benchmark``: ``checkpoint.py``,
-``fingerprint.py``, ``results.py``), which now runs Megatron-LM's ``pretrain_gpt.py`` instead;
+``fingerprint.py``), which now runs Megatron-LM's ``pretrain_gpt.py`` instead;
 only what the GPU tests use came along. The model and optimizer are :mod:`mcore_gpt`'s.
 
 Fingerprints are bitwise (SHA-256 per named tensor) over model parameters and optimizer state:
@@ -16,7 +16,6 @@ import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -204,40 +203,3 @@ def fingerprint_state(
     for name, record in optimizer_group_records(optimizer):
         digests[name] = hashlib.sha256(record.encode()).hexdigest()
     return digests
-
-
-# State-adoption outcomes (from the benchmark's results.py).
-
-
-def one_line(exc: BaseException) -> str:
-    """``ExceptionType: message`` on a single line (for tables and JSON)."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-@contextmanager
-def recording_outcomes() -> Iterator[list[dict[str, Any]] | None]:
-    """Collect the state-adoption outcome of every call inside the ``with`` block.
-
-    Yields the list the outcomes' ``to_json()`` dicts are appended to, or None when this
-    ``megatron-core`` has no outcome hooks (upstream). The hook is removed on exit, also when
-    the block raises.
-    """
-    try:
-        from megatron.core.optimizer.state_adoption import register_outcome_hook
-    except ImportError:
-        yield None
-        return
-    outcomes: list[dict[str, Any]] = []
-
-    def record(outcome: Any) -> None:
-        try:
-            outcomes.append(outcome.to_json())
-        except Exception as exc:  # noqa: BLE001 - a malformed outcome is recorded as such
-            outcomes.append({"hook_point": None, "adopter": None, "error": one_line(exc)})
-
-    handle = register_outcome_hook(record)
-    try:
-        yield outcomes
-    finally:
-        handle.remove()

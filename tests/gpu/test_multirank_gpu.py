@@ -121,7 +121,9 @@ def _outcome_problems(outcomes: Any, params_per_optimizer: List[int]) -> List[st
 def test_every_rank_adopts_and_matches_the_control(world: int, case_name: str, nproc: int, tp: int, ep: int) -> None:
     import torch.distributed as dist
 
-    from mcore_checkpoint import load_checkpoint, recording_outcomes
+    from mcore_checkpoint import load_checkpoint
+
+    from benchmarks.resume_benchmark.results import recording_outcomes
     from mcore_gpt import PRESETS, ParallelLayout, build_gpt_and_optimizer, inner_optimizers
     from mcore_gpt import make_case, train_step
     from megatron.core import parallel_state
