@@ -1,7 +1,7 @@
-"""The resume benchmark on the user's own training: Megatron-LM's ``pretrain_gpt.py``.
+"""One configuration of the resume benchmark in Megatron-LM's own ``pretrain_gpt.py``.
 
-``python -m benchmarks.resume_benchmark megatron-lm --megatron-lm PATH -- ARGS`` runs the user's
-``pretrain_gpt.py`` arguments ``ARGS`` unchanged four times, each in fresh processes
+:func:`run_client` runs ``pretrain_gpt.py`` with one configuration's arguments (a built-in one
+of :mod:`.configs`, or the user's after ``--``) unchanged four times, each in fresh processes
 (``torch.distributed.run``, ``--nproc-per-node`` ranks), with Megatron-LM's own training loop:
 
 1. ``train`` (build side): to iteration K (``--resume-at``) of ``--train-iters N``, saved as
@@ -12,9 +12,9 @@
    ``--deterministic`` each saves iteration N, and the two checkpoints are compared tensor by
    tensor.
 
-Megatron-LM comes from a checkout (``--megatron-lm PATH``) or a git repository and a ref
+Megatron-LM comes from a checkout (``--megatron-lm PATH``), a git repository and a ref
 (``--megatron-lm-git DIR --ref core_r0.19.0``; default: the release branch of the build's
-megatron-core). Only its training code is used (everything but ``megatron/core``), put first on
+megatron-core) or a shallow clone of that branch (:func:`clone_release`). Only its training code is used (everything but ``megatron/core``), put first on
 ``sys.path``; ``megatron.core`` always comes from the side. Each rank runs under
 :mod:`.megatron_lm_probe`, which records the allocator around ``load_checkpoint``, the outcomes
 of the state-adoption hooks, and the run's peak. Per-iteration losses are read from the
