@@ -123,14 +123,19 @@ def test_own_arguments_run_once_and_the_report_re_renders(
     markdown = (out / "r.md").read_text()
     assert markdown == markdown_report(document)  # the committed form re-renders
     assert "- upstream: megatron-core 0.19.2 from `/upstream/megatron/core/__init__.py`" in markdown
-    row = next(line for line in markdown.splitlines() if line.startswith("| your arguments | build"))
+    row = next(
+        line for line in markdown.splitlines() if line.startswith("| your arguments | build")
+    )
     assert row.split(" | ")[10:12] == ["yes", "yes"]  # losses and checkpoints
     assert "Checkpoints saved at iteration 4 by the two resumes: identical" in markdown
 
 
 @pytest.mark.parametrize("release", ["0.16.1", "0.18.2"])
 def test_built_in_configurations_of_another_release_and_check_failing(
-    release: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    release: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The stand-in saves nothing on the build side, so ``--check`` must fail the configuration
     that predicts 8 B/param and pass the one that predicts no saving."""
@@ -141,7 +146,10 @@ def test_built_in_configurations_of_another_release_and_check_failing(
     assert "--check: dp-reshardable: the build's state was installed by" in err
     assert "--check: precision-aware: avoided n/a MiB, expected 0.0 MiB" in err  # no CUDA: no peaks
     document = json.loads((out / "r.json").read_text())
-    assert [r["configuration"]["name"] for r in document["runs"]] == ["dp-reshardable", "precision-aware"]
+    assert [r["configuration"]["name"] for r in document["runs"]] == [
+        "dp-reshardable",
+        "precision-aware",
+    ]
     assert document["runs"][0]["script_args"][:2] == ["--num-layers", "2"]
     assert document["runs"][0]["megatron_lm"].startswith("checkout ")
     assert f"release 0.19, the build is megatron-core {release}+stateadoption" in " ".join(
@@ -152,7 +160,9 @@ def test_built_in_configurations_of_another_release_and_check_failing(
 def test_an_upstream_of_another_release_stops_before_any_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    status, out = _invoke(tmp_path, monkeypatch, "--", *USER_ARGS, release="0.18.2", upstream_release="0.19.2")
+    status, out = _invoke(
+        tmp_path, monkeypatch, "--", *USER_ARGS, release="0.18.2", upstream_release="0.19.2"
+    )
     assert status == cli.EXIT_WRONG_SIDES
     assert "plain megatron-core 0.18.2" in capsys.readouterr().err
     assert not (tmp_path / "work" / "your-arguments").exists() and not (out / "r.json").exists()
@@ -187,9 +197,13 @@ def test_check_holds_the_build_to_each_expectation() -> None:
     adopted = _measured_run("ADOPTS", 8 * 1_000_000_000, "te_fused_adam_fp32")
     assert expectation_problems(adopted) == []
     numbers = run_numbers(adopted)
-    assert numbers.expected == numbers.avoided == 8_000_000_000 and numbers.elements == 1_000_000_000
+    assert (
+        numbers.expected == numbers.avoided == 8_000_000_000 and numbers.elements == 1_000_000_000
+    )
     short = _measured_run("ADOPTS", 9 * 1_000_000_000, "te_fused_adam_fp32")
-    assert expectation_problems(short) == [f"c: avoided {7e9 / MIB:,.1f} MiB, expected {8e9 / MIB:,.1f} MiB"]
+    assert expectation_problems(short) == [
+        f"c: avoided {7e9 / MIB:,.1f} MiB, expected {8e9 / MIB:,.1f} MiB"
+    ]
     declined = _measured_run("KEEPS_LOADER", 16 * 1_000_000_000, None)
     assert expectation_problems(declined) == []
     assert expectation_problems(_measured_run("KEEPS_LOADER", 8 * 1_000_000_000, None))
@@ -223,4 +237,7 @@ def test_the_committed_h200_suite_re_renders_and_meets_its_expectations() -> Non
         assert numbers.expected == 8 * numbers.elements and numbers.elements == 203_716_608
         assert 0.999 < numbers.avoided / numbers.expected < 1.0  # type: ignore[operator]
     precision_aware = run_numbers(document["runs"][5])
-    assert precision_aware.extra == ("te_fused_adam_precision_aware",) and precision_aware.expected is None
+    assert (
+        precision_aware.extra == ("te_fused_adam_precision_aware",)
+        and precision_aware.expected is None
+    )

@@ -307,7 +307,9 @@ def test_the_command_line_refuses_without_cuda(capsys: pytest.CaptureFixture[str
     assert "cannot run here" in capsys.readouterr().err
 
 
-def _probe_script(tmp_path: Path, checkpointing: str, script: str) -> tuple[int, dict[str, Any], str]:
+def _probe_script(
+    tmp_path: Path, checkpointing: str, script: str
+) -> tuple[int, dict[str, Any], str]:
     """Run ``script`` under the probe (a subprocess, as each rank runs) with a client tree whose
     ``megatron.training.checkpointing`` is ``checkpointing``; exit code, record and stderr."""
     (tmp_path / "megatron" / "training").mkdir(parents=True)
