@@ -113,8 +113,12 @@ def _invoke(
 def test_own_arguments_run_once_and_the_report_re_renders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    status, out = _invoke(tmp_path, monkeypatch, "--deterministic", "--", *USER_ARGS)
+    figures = tmp_path / "figures"
+    status, out = _invoke(
+        tmp_path, monkeypatch, "--deterministic", "--figures-dir", str(figures), "--", *USER_ARGS
+    )
     assert status == cli.EXIT_OK
+    assert (figures / "figures.md").read_text() == ""  # no CUDA, so no timeline to draw
     document = json.loads((out / "r.json").read_text())
     (run,) = document["runs"]
     assert run["configuration"]["name"] == "your arguments" and run["script_args"] == USER_ARGS

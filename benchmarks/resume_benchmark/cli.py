@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--markdown-out", type=Path)
-    parser.add_argument("--figures-dir", type=Path, help="one PNG per configuration")
+    parser.add_argument(
+        "--figures-dir", type=Path, help="one PNG per configuration, and figures.md linking them"
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -314,16 +316,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         eprint(f"resume_benchmark: {exc}")
         return EXIT_CANNOT_RUN
     document = _document(args, sides, probes, runs)
-    text = markdown_report(document)
     if args.figures_dir:
         written = write_figures([document], args.figures_dir)
-        relative_to = args.markdown_out.parent if args.markdown_out else Path.cwd()
-        text += "\n" + "".join(f"{l}\n\n" for l in markdown_images(written, relative_to))
+        images = markdown_images(written, args.figures_dir)
+        (args.figures_dir / "figures.md").write_text("".join(f"{line}\n\n" for line in images))
     print("\n".join(summary_table(document)), flush=True)
     if args.json_out:
         write_json(args.json_out, document)
     if args.markdown_out:
-        args.markdown_out.write_text(text)
+        args.markdown_out.write_text(markdown_report(document))
     failed = [
         f"{run['configuration']['name']}: {', '.join(failed_phases(run))}"
         for run in runs
