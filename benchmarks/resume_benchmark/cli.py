@@ -317,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CANNOT_RUN
     document = _document(args, sides, probes, runs)
     if args.figures_dir:
+        args.figures_dir.mkdir(parents=True, exist_ok=True)
         written = write_figures([document], args.figures_dir)
         images = markdown_images(written, args.figures_dir)
         (args.figures_dir / "figures.md").write_text("".join(f"{line}\n\n" for line in images))
