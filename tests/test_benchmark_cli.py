@@ -19,6 +19,7 @@ from test_megatron_lm_client import USER_ARGS, _fake_megatron_lm
 from benchmarks.resume_benchmark import cli
 from benchmarks.resume_benchmark.configs import (
     CONFIGURATIONS,
+    DEFAULT_CONFIGURATIONS,
     SIZES,
     Expectation,
     parse_configurations,
@@ -64,6 +65,11 @@ def test_configs_and_own_arguments_exclude_each_other(capsys: pytest.CaptureFixt
         ("precision-aware", "KEEPS_LOADER"),
     ]
     assert runs[0][1][: len(SIZES["tiny"])] == list(SIZES["tiny"])
+    default = cli.requested_runs(cli.build_parser().parse_args([]))
+    assert [c["name"] for c, _ in default] == list(DEFAULT_CONFIGURATIONS)
+    assert {"moe", "cpu-offload"} == set(CONFIGURATIONS) - set(DEFAULT_CONFIGURATIONS)
+    every = cli.requested_runs(cli.build_parser().parse_args(["--configs", "all"]))
+    assert [c["name"] for c, _ in every] == list(CONFIGURATIONS)
     (own,) = cli.requested_runs(cli.build_parser().parse_args(["--", *USER_ARGS]))
     assert own == ({"name": "your arguments", "description": None, "expectation": None}, USER_ARGS)
 

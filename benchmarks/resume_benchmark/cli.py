@@ -27,7 +27,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from benchmarks.resume_benchmark.configs import CONFIGURATIONS, SIZES, parse_configurations
+from benchmarks.resume_benchmark.configs import (
+    CONFIGURATIONS,
+    DEFAULT_CONFIGURATIONS,
+    SIZES,
+    parse_configurations,
+)
 from benchmarks.resume_benchmark.driver import Workspace, run_phase
 from benchmarks.resume_benchmark.figures import markdown_images, write_figures
 from benchmarks.resume_benchmark.megatron_lm import (
@@ -119,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--configs",
         type=_configurations,
-        help=f"'all' (default) or comma-separated: {', '.join(CONFIGURATIONS)}",
+        help=f"'all' or comma-separated: {', '.join(CONFIGURATIONS)} (default: "
+        f"{', '.join(DEFAULT_CONFIGURATIONS)}, the ones measured on an H200)",
     )
     parser.add_argument("--size", choices=list(SIZES), default="1b", help="default: %(default)s")
     parser.add_argument(
@@ -232,7 +238,7 @@ def requested_runs(args: argparse.Namespace) -> list[tuple[dict[str, str | None]
             },
             CONFIGURATIONS[name].script_arguments(args.size),
         )
-        for name in args.configs or list(CONFIGURATIONS)
+        for name in args.configs or DEFAULT_CONFIGURATIONS
     ]
 
 

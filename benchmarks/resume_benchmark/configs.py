@@ -125,6 +125,14 @@ CONFIGURATIONS: Final[Mapping[str, Configuration]] = {
 }  # fmt: skip
 
 
+#: What runs without ``--configs``: the configurations measured on an H200 (docs/gpu-report.md,
+#: session 14). ``moe`` and ``cpu-offload`` run by name (or with ``all``) until they have been.
+DEFAULT_CONFIGURATIONS: Final = (
+    "dp-reshardable", "fully-reshardable", "megatron-fsdp", "non-distributed-bf16",
+    "non-distributed-fp32", "precision-aware",
+)  # fmt: skip
+
+
 def extra_adopters(adopters: Iterable[str] | None) -> tuple[str, ...]:
     """The adopters in ``adopters`` beyond :data:`DEFAULT_ADOPTERS`, in order, without repeats."""
     return tuple(dict.fromkeys(a for a in adopters or () if a not in DEFAULT_ADOPTERS))
