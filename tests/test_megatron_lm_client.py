@@ -367,14 +367,15 @@ def load_checkpoint():
 def test_probe_opens_the_load_phases_at_the_real_functions(tmp_path: Path) -> None:
     """The probe's ``sys.monitoring`` events on the real megatron-core and torch functions, in
     Megatron-LM's load order; pass 1's own ``load_state_dict`` opens no phase."""
-    from benchmarks.resume_benchmark.megatron_lm_probe import PHASE_ORDER, phase_codes
+    from benchmarks.resume_benchmark.megatron_lm_probe import phase_codes
+    from benchmarks.resume_benchmark.memory_timeline import LOAD_PHASES
 
-    assert sorted(set(phase_codes().values())) == sorted(PHASE_ORDER)  # all found in the build
+    assert sorted(set(phase_codes().values())) == sorted(LOAD_PHASES)  # all found in the build
     script = "from megatron.training.checkpointing import load_checkpoint\nload_checkpoint()\n"
     code, record, stderr = _probe_script(tmp_path, PHASED_LOAD, script)
     assert code == 0, stderr
     load = record["load"]
-    assert [label for label, _ in load["phases"]] == list(PHASE_ORDER)
+    assert [label for label, _ in load["phases"]] == list(LOAD_PHASES)
     seconds = [t for _, t in load["phases"]]
     assert seconds == sorted(seconds) and seconds[-1] <= load["seconds"]
 

@@ -216,6 +216,11 @@ def prepare_sides(
     return sides, probes
 
 
+def script_arguments(args: argparse.Namespace) -> list[str]:
+    """The ``pretrain_gpt.py`` arguments given after ``--`` (empty: the built-in configurations)."""
+    return [a for a in args.script_args if a != "--"]
+
+
 def requested_runs(args: argparse.Namespace) -> list[tuple[dict[str, str | None], list[str]]]:
     """``(configuration record, pretrain_gpt.py arguments)`` per run: the user's arguments after
     ``--`` (one run), else each of ``--configs`` at ``--size``.
@@ -223,7 +228,7 @@ def requested_runs(args: argparse.Namespace) -> list[tuple[dict[str, str | None]
     Raises:
         ClientUsageError: ``--configs`` together with arguments after ``--``.
     """
-    script_args = [a for a in args.script_args if a != "--"]
+    script_args = script_arguments(args)
     if script_args:
         if args.configs:
             raise ClientUsageError("give --configs or pretrain_gpt.py arguments after --, not both")
@@ -258,7 +263,7 @@ def _document(
             label: {**sides[label].to_json(), **probes[label]["megatron_core"]}
             for label in ("upstream", "build")
         },
-        "size": None if args.script_args else args.size,
+        "size": None if script_arguments(args) else args.size,
         "nproc_per_node": args.nproc_per_node,
         "runs": runs,
     }
@@ -273,10 +278,8 @@ def _run_all(
         space = Workspace(workspace.path(name))
         plan = RunPlan(args.train_iters, args.resume_at, args.deterministic, space.path("ckpt"))
         run = {"configuration": configuration, **run_client(setup, space, plan, script_args)}
-        progress(
-            f"{name}: "
-            + ("failed: " + ", ".join(failed_phases(run)) if failed_phases(run) else "done")
-        )
+        failed = failed_phases(run)
+        progress(f"{name}: " + (f"failed: {', '.join(failed)}" if failed else "done"))
         runs.append(run)
     return runs
 

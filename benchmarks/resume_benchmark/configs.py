@@ -109,7 +109,8 @@ CONFIGURATIONS: Final[Mapping[str, Configuration]] = {
             "BF16 without the distributed optimizer: Float16OptimizerWithFloat16Params",
         ),
         Configuration(
-            "non-distributed-fp32", (), _ADOPTS, "FP32 without the distributed optimizer: FP32Optimizer",
+            "non-distributed-fp32", (), _ADOPTS,
+            "FP32 without the distributed optimizer: FP32Optimizer",
         ),
         Configuration(
             "precision-aware", _PRECISION_AWARE, _KEEPS,

@@ -66,9 +66,9 @@ class PhaseOutcome:
 class Workspace:
     """Logs and results of one run, plus the import shim launches start from.
 
-    Workers run with the shim directory as working directory: it holds only a link to the
-    ``benchmarks`` package, so ``python -m benchmarks.resume_benchmark.megatron_lm_probe`` finds the
-    benchmark while the repository's own ``megatron/`` sources never shadow a side's
+    Launches run with the shim directory as working directory: it holds only a link to the
+    ``benchmarks`` package, so ``python -m benchmarks.resume_benchmark.megatron_lm_probe`` finds
+    the benchmark while the repository's own ``megatron/`` sources never shadow a side's
     ``megatron-core``.
     """
 

@@ -14,8 +14,9 @@ of :mod:`.configs`, or the user's after ``--``) unchanged four times, each in fr
 
 Megatron-LM comes from a checkout (``--megatron-lm PATH``), a git repository and a ref
 (``--megatron-lm-git DIR --ref core_r0.19.0``; default: the release branch of the build's
-megatron-core) or a shallow clone of that branch (:func:`clone_release`). Only its training code is used (everything but ``megatron/core``), put first on
-``sys.path``; ``megatron.core`` always comes from the side. Each rank runs under
+megatron-core) or a shallow clone of that branch (:func:`clone_release`). Only its training
+code is used (everything but ``megatron/core``), put first on ``sys.path``; ``megatron.core``
+always comes from the side. Each rank runs under
 :mod:`.megatron_lm_probe`, which records the allocator around ``load_checkpoint``, the outcomes
 of the state-adoption hooks, and the run's peak. Per-iteration losses are read from the
 TensorBoard scalars Megatron writes (``--log-interval 1`` console lines where TensorBoard is
@@ -540,8 +541,8 @@ def _launch(
 ) -> PhaseOutcome:
     result = workspace.path(f"{phase}.result.json")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3", "--nproc-per-node",
-        str(setup.nproc), "-m", PROBE_MODULE, "--client", str(setup.client),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3",
+        "--nproc-per-node", str(setup.nproc), "-m", PROBE_MODULE, "--client", str(setup.client),
         "--result", str(result), SCRIPT, *args,
     ]  # fmt: skip
     progress(f"{workspace.root.name} {phase} ({label} side, {setup.nproc} rank(s))")

@@ -35,15 +35,16 @@ from typing import Any, Final, TypedDict
 
 from benchmarks.resume_benchmark.driver import rank_result_path
 from benchmarks.resume_benchmark.memory_timeline import (
+    LOAD_PHASES,
     PHASE_MODEL,
     PHASE_PAYLOAD,
     PHASE_READ,
     PHASE_SCAFFOLD,
     LoadTimeline,
+    Timeline,
     finished_timeline,
     started_timeline,
 )
-from benchmarks.resume_benchmark.memory_timeline import Timeline
 from benchmarks.resume_benchmark.results import (
     AdoptionRecord,
     recording_outcomes,
@@ -57,7 +58,8 @@ LOAD_FUNCTION = ("megatron.training.checkpointing", "load_checkpoint")
 #: Functions whose first call inside the load opens a phase of its timeline (module, qualified
 #: name, phase): the optimizers' sharded state dict (pass 1, the scaffold the checkpoint is read
 #: into), the read, the model's ``load_state_dict`` and the optimizers' (pass 2). Phases open in
-#: :data:`PHASE_ORDER` only, so pass 1's own ``load_state_dict`` call opens nothing.
+#: the order of :data:`~.memory_timeline.LOAD_PHASES` only, so pass 1's own ``load_state_dict``
+#: call opens nothing.
 PHASE_FUNCTIONS: Final = tuple(
     (module, f"{owner}.{method}", phase)
     for module, owners in (
@@ -76,8 +78,6 @@ PHASE_FUNCTIONS: Final = tuple(
     ("megatron.core.dist_checkpointing.serialization", "load", PHASE_READ),
     ("torch.nn.modules.module", "Module.load_state_dict", PHASE_MODEL),
 )
-#: A phase opens only after the read began (model, pass 2) and never before one it follows.
-PHASE_ORDER: Final = (PHASE_SCAFFOLD, PHASE_READ, PHASE_MODEL, PHASE_PAYLOAD)
 
 _TOOL_NAME = "resume-benchmark load probe"
 
@@ -125,14 +125,14 @@ class LoadWatch:
             self.opened.append((phase, time.perf_counter() - self._started))
             if isinstance(self._timeline, LoadTimeline):
                 self._timeline.mark(phase)
-        return sys.monitoring.DISABLE if phase in dict(self.opened) else None
+        return sys.monitoring.DISABLE if any(p == phase for p, _ in self.opened) else None
 
     def phase_opens(self, phase: str) -> bool:
-        """Whether ``phase`` opens now: later in :data:`PHASE_ORDER` than every opened one, and
-        the model and pass 2 only once the read began."""
-        done = [PHASE_ORDER.index(p) for p, _ in self.opened]
-        index = PHASE_ORDER.index(phase)
-        after_read = index <= 1 or PHASE_ORDER.index(PHASE_READ) in done
+        """Whether ``phase`` opens now: later in :data:`~.memory_timeline.LOAD_PHASES` than every
+        opened one, and the model and pass 2 only once the read began."""
+        done = [LOAD_PHASES.index(p) for p, _ in self.opened]
+        index = LOAD_PHASES.index(phase)
+        after_read = index <= 1 or LOAD_PHASES.index(PHASE_READ) in done
         return after_read and all(index > d for d in done)
 
     def begin(self, code: CodeType, offset: int) -> Any:

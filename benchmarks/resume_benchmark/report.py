@@ -20,11 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from benchmarks.resume_benchmark.configs import FP32_MOMENT_PAIR_BYTES, Expectation
+from benchmarks.resume_benchmark.configs import (
+    DEFAULT_ADOPTERS,
+    FP32_MOMENT_PAIR_BYTES,
+    Expectation,
+)
 from benchmarks.resume_benchmark.configs import extra_adopters
 from benchmarks.resume_benchmark.megatron_lm import RESUME_SIDES, SCRIPT, failed_phases
 from benchmarks.resume_benchmark.megatron_lm import optimizer_elements
-from benchmarks.resume_benchmark.results import adopters_that_handled, write_json
+from benchmarks.resume_benchmark.results import OWN_LOADER, adopters_that_handled, write_json
 
 #: Tolerance of "bytes avoided equals the expectation": max(relative, absolute).
 AVOIDED_RELATIVE_TOLERANCE: Final = 0.01
@@ -113,7 +117,7 @@ def expectation_problems(run: Mapping[str, Any]) -> list[str]:
             )
     if numbers.expectation is Expectation.ADOPTS and not numbers.extra:
         installed = (run["phases"].get("resume-build") or {}).get("installed_by") or ""
-        if "te_fused_adam_fp32" not in installed:
+        if not any(name in installed for name in DEFAULT_ADOPTERS):
             problems.append(f"the build's state was installed by {installed or 'nothing recorded'}")
         report, peak = numbers.reports["build"], numbers.training_peak
         if report is None or peak is None or report * _MIB > peak + ABSOLUTE_TOLERANCE:
@@ -177,7 +181,7 @@ def summary_table(document: Mapping[str, Any]) -> list[str]:
                 _mib(numbers.training_peak),
                 _yes_no((run.get("loss_differences") or {}).get(side)),
                 _yes_no(run.get("checkpoint_differences")) if build else "—",
-                record.get("installed_by") or ("n/a" if not record else "own loader"),
+                record.get("installed_by") or ("n/a" if not record else OWN_LOADER),
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
