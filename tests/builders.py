@@ -1,10 +1,9 @@
-"""Shared builders for the tests: stand-in optimizers, contexts and owners."""
+"""Shared builders: stand-in optimizers, owners, registries and comparisons."""
 
 import dataclasses
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
-
 from fused_adam_standin import FusedAdamStandIn
 
 from megatron.core.distributed.distributed_data_parallel_config import (
@@ -12,9 +11,11 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.state_adoption import (
+    AdoptionContext,
+    AdoptionOutcome,
+    StateAdopter,
     StateAdopterRegistry,
-    StateAdoptionContext,
-    StateAdoptionOutcome,
+    TEFusedAdamPrecisionAwareStateAdopter,
     export_inner_optimizer_state_dict,
     load_inner_optimizer_state_dict,
 )
@@ -26,7 +27,7 @@ GROUP_SIZES = [2, 2]
 
 @dataclasses.dataclass
 class Owner:
-    """What ``load_inner_optimizer_state_dict`` reads of a DistributedOptimizer."""
+    """What the call-site functions read of a Megatron optimizer (a DistributedOptimizer's)."""
 
     optimizer: torch.optim.Optimizer
     config: Any = dataclasses.field(default_factory=OptimizerConfig)
@@ -35,12 +36,9 @@ class Owner:
 
 
 def make_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> List[torch.nn.Parameter]:
-    """FP32 CPU parameters shaped like flattened and unflattened main-param shards."""
+    """CPU parameters shaped like flattened and unflattened main-param shards."""
     generator = torch.Generator().manual_seed(seed)
-    return [
-        torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
-        for shape in PARAM_SHAPES
-    ]
+    return [torch.nn.Parameter(torch.randn(s, generator=generator).to(dtype)) for s in PARAM_SHAPES]
 
 
 def make_standin(params: List[torch.nn.Parameter], **kwargs: Any) -> FusedAdamStandIn:
@@ -75,7 +73,7 @@ def fresh_standin(**kwargs: Any) -> FusedAdamStandIn:
 
 
 def cloned_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """The optimizer's state dict with every state tensor cloned (a 'scaffold' payload)."""
+    """The optimizer's state dict with every state tensor cloned (a checkpoint's payload)."""
     state_dict = optimizer.state_dict()
     state_dict["state"] = {
         key: {name: value.clone() for name, value in entry.items()}
@@ -84,52 +82,62 @@ def cloned_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     return state_dict
 
 
-def make_context(
-    optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any], **overrides: Any
-) -> StateAdoptionContext:
-    """A context as a non-FSDP, non-offloaded, FP32 DistributedOptimizer would build it."""
-    return StateAdoptionContext.for_owner(Owner(optimizer, **overrides), state_dict=state_dict)
+def make_context(optimizer: torch.optim.Optimizer, state_dict: Any = None, **fields: Any) -> AdoptionContext:
+    """A context as a FP32, non-FSDP DistributedOptimizer builds it (``Owner`` fields may
+    be changed: ``config=...``)."""
+    owner_fields = {k: fields.pop(k) for k in ("config", "ddp_config", "is_stub_optimizer") if k in fields}
+    return AdoptionContext.for_owner(Owner(optimizer, **owner_fields), state_dict=state_dict, **fields)
 
 
-def registry_of(*adopters: Any) -> StateAdopterRegistry:
-    """A registry without entry-point discovery holding exactly ``adopters``, in order."""
-    registry = StateAdopterRegistry(entry_point_group=None)
+def registry_of(*adopters: StateAdopter, strict: bool = True) -> StateAdopterRegistry:
+    """A registry holding exactly ``adopters``, in order (strict unless asked otherwise)."""
+    registry = StateAdopterRegistry(strict=strict)
     for adopter in adopters:
         registry.register(adopter)
     return registry
+
+
+class StandInFP32Adopter(TEFusedAdamFP32StateAdopter):
+    """The built-in FP32 adopter under its own name (the process-wide registry holds the
+    built-in one), recognising the stand-in."""
+
+    name = "te_fused_adam_fp32_standin"
+
+
+def standin_adopter(device_type: str = "cpu", te_version: str = "2.20.2") -> TEFusedAdamFP32StateAdopter:
+    """The built-in FP32 adopter, recognising the stand-in instead of TE's FusedAdam."""
+    return TEFusedAdamFP32StateAdopter(FusedAdamStandIn, device_type, te_version)
+
+
+def precision_aware_adopter() -> TEFusedAdamPrecisionAwareStateAdopter:
+    """The built-in precision-aware adopter, recognising the stand-in."""
+    return TEFusedAdamPrecisionAwareStateAdopter(FusedAdamStandIn, "cpu")
 
 
 def load_through(
     optimizer: torch.optim.Optimizer,
     state_dict: Any,
     registry: StateAdopterRegistry,
+    owns_state_dict: bool = True,
     **owner_fields: Any,
-) -> StateAdoptionOutcome:
-    """Load ``state_dict`` into ``optimizer`` as a DistributedOptimizer would, via ``registry``."""
-    owner = Owner(optimizer, **owner_fields)
-    return load_inner_optimizer_state_dict(owner, state_dict, registry=registry)
+) -> AdoptionOutcome:
+    """Load ``state_dict`` as DistributedOptimizer's main branch does; return the outcome."""
+    outcomes: List[AdoptionOutcome] = []
+    handle = registry.register_outcome_hook(outcomes.append)
+    try:
+        load_inner_optimizer_state_dict(
+            Owner(optimizer, **owner_fields), state_dict, owns_state_dict=owns_state_dict, registry=registry
+        )
+    finally:
+        handle.remove()
+    return outcomes[-1]
 
 
 def export_through(
     optimizer: torch.optim.Optimizer, registry: StateAdopterRegistry, **owner_fields: Any
 ) -> Dict[str, Any]:
-    """Read ``optimizer``'s state dict as a DistributedOptimizer would, via ``registry``."""
+    """Read ``optimizer``'s state dict as DistributedOptimizer.load_state_dict does."""
     return export_inner_optimizer_state_dict(Owner(optimizer, **owner_fields), registry=registry)
-
-
-def standin_registry(*adopters: Any) -> StateAdopterRegistry:
-    """A registry without entry-point discovery holding ``adopters`` (default: the stand-in one)."""
-    registry = StateAdopterRegistry(entry_point_group=None)
-    for adopter in adopters or (standin_adopter(),):
-        registry.register(adopter)
-    return registry
-
-
-def standin_adopter(param_device_type: str = "cpu") -> TEFusedAdamFP32StateAdopter:
-    """The default adopter, recognising the stand-in instead of TE's FusedAdam."""
-    return TEFusedAdamFP32StateAdopter(
-        fused_adam_class=FusedAdamStandIn, param_device_type=param_device_type
-    )
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -164,3 +172,15 @@ def numel_bytes(optimizer: torch.optim.Optimizer, per_element: int = 8) -> int:
     """``per_element`` bytes for every element of every parameter."""
     return per_element * sum(p.numel() for g in optimizer.param_groups for p in g["params"])
 
+
+def outcome_of(registry: StateAdopterRegistry, call: Any, point: Optional[str] = None) -> AdoptionOutcome:
+    """Run ``call()`` and return the last outcome it produced (at ``point``, if given)."""
+    outcomes: List[AdoptionOutcome] = []
+    handle = registry.register_outcome_hook(outcomes.append)
+    try:
+        call()
+    finally:
+        handle.remove()
+    matching = [o for o in outcomes if point is None or o.hook_point == point]
+    assert matching, f"no outcome at {point}: {outcomes}"
+    return matching[-1]

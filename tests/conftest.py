@@ -1,50 +1,53 @@
-"""pytest configuration: test helpers importable by name, and shared fixtures."""
+"""pytest configuration: test helpers importable by name, a strict process-wide registry, and
+shared fixtures.
+
+Tests run strict: every fallback of the process-wide registry (an adopter that raises or whose
+result does not match, a broken plugin, a raising outcome hook) raises instead of warning, so a
+broken adopter fails its test. Tests of the fallbacks themselves use registries of their own.
+"""
 
 import sys
 from pathlib import Path
-from typing import Any, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))
-sys.path.insert(0, str(TESTS_DIR.parent))  # benchmarks/ (the benchmark tests; the GPU tests use its memory_timeline)
-
-from builders import standin_registry  # noqa: E402
+sys.path.insert(0, str(TESTS_DIR.parent))  # benchmarks/ (its tests; the GPU tests use its timeline)
 
 from megatron.core.optimizer.state_adoption import (  # noqa: E402
-    StateAdopterRegistry,
-    StateAdoptionOutcome,
-    register_outcome_hook,
+    AdoptionOutcome,
+    default_registry,
 )
 
 
-@pytest.fixture
-def registry() -> StateAdopterRegistry:
-    """A registry without entry-point discovery holding only the stand-in adopter."""
-    return standin_registry()
+@pytest.fixture(autouse=True, scope="session")
+def _strict_process_wide_registry() -> Iterator[None]:
+    registry = default_registry()
+    registry.strict = True
+    yield
+    registry.strict = False
 
 
 @pytest.fixture
-def empty_registry() -> StateAdopterRegistry:
-    """A registry without adopters and without entry-point discovery."""
-    return StateAdopterRegistry(entry_point_group=None)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_configuration_warnings() -> None:
-    """Configuration problems are warned once per process; every test starts unwarned."""
-    from megatron.core.optimizer.state_adoption import loader
-
-    loader._warned.clear()
-
-
-@pytest.fixture
-def outcomes() -> Iterator[List[StateAdoptionOutcome]]:
+def outcomes() -> Iterator[List[AdoptionOutcome]]:
     """Every outcome the process-wide registry reports while the test runs."""
-    recorded: List[StateAdoptionOutcome] = []
-    handle = register_outcome_hook(recorded.append)
+    recorded: List[AdoptionOutcome] = []
+    handle = default_registry().register_outcome_hook(recorded.append)
     yield recorded
+    handle.remove()
+
+
+@pytest.fixture
+def standin_in_default_registry() -> Iterator[None]:
+    """The built-in FP32 adopter for the stand-in, first in the process-wide registry (which the
+    installed megatron-core's optimizers consult)."""
+    from builders import StandInFP32Adopter
+    from fused_adam_standin import FusedAdamStandIn
+
+    handle = default_registry().register(StandInFP32Adopter(FusedAdamStandIn, "cpu", "2.20.2"), prepend=True)
+    yield
     handle.remove()
 
 
@@ -60,3 +63,27 @@ def cpu_mesh() -> Iterator[Any]:
     yield init_device_mesh("cpu", (1,))
     if created:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    """``install_plugin(distribution, {entry point: value}, source, group)`` installs a real
+    plugin distribution 1.0 (a module and a dist-info with ``entry_points.txt``) in a new folder
+    at the front of ``sys.path``, where ``importlib.metadata`` finds it; forgotten after."""
+    count = [0]
+
+    def install(distribution: str, entry_points: Dict[str, str], source: str = "", group: str = "test.adopters") -> Path:
+        count[0] += 1
+        root = tmp_path / f"site{count[0]}"
+        root.mkdir()
+        (root / f"{distribution}.py").write_text(source)
+        dist_info = root / f"{distribution}-1.0.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 1.0\n")
+        lines = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
+        (dist_info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
+        monkeypatch.syspath_prepend(str(root))
+        monkeypatch.delitem(sys.modules, distribution, raising=False)
+        return root
+
+    return install

@@ -1,40 +1,17 @@
-"""Optimizer-state adoption for Megatron-Core's checkpoint loading.
+"""Optimizer-state adoption: Megatron-Core's optimizers load checkpoints through state adopters.
 
-Wherever Megatron-Core hands loaded state to an inner optimizer -- ``DistributedOptimizer``
-(both when it builds the scaffold for a sharded checkpoint and after the checkpoint was read,
-and in its Megatron-FSDP branch) and the non-distributed ``Float16OptimizerWithFloat16Params``
-and ``FP32Optimizer`` -- it hands the ``{"state", "param_groups"}`` dict to
-:func:`load_inner_optimizer_state_dict`; ``DistributedOptimizer`` also reads the inner state
-dict through :func:`export_inner_optimizer_state_dict`, and Megatron-FSDP creates the state it
-reads into through :func:`initialize_inner_optimizer_state`. The first registered
-:class:`StateAdopter` that accepts installs the state (and, if it is also a
-:class:`StateExporter` or a :class:`StateInitializer`, may supply the state dict or create the
-state); otherwise the optimizer's own code runs unchanged. A precision-aware
-``DistributedOptimizer`` builds its ``dp_reshardable`` sharded state dict for loading inside
-:func:`reading_optimizer_state`, takes each tensor to read into from
-:func:`unscaled_state_or_read_target` (a :class:`StateReadTargetProvider` may supply the held
-tensors themselves) and stores the read values with :func:`store_read_optimizer_state`. Each call's
-:class:`StateAdoptionOutcome` goes to the hooks registered with
-:func:`register_outcome_hook`.
-
-Registered by default: the ``te_fused_adam_fp32`` adopter
-(:class:`~.te_fused_adam.TEFusedAdamFP32StateAdopter`), which installs FP32 Adam moments
-into Transformer Engine's FusedAdam by reference instead of letting TE allocate a second copy
-(8 bytes per parameter of transient memory). ``OptimizerConfig.optimizer_state_adoption =
-False`` (Megatron-LM: ``--no-optimizer-state-adoption``) switches all adoption off; for the
-drop-in build, ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1`` does too, and
-``MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,...`` skips the named adopters.
+Where Megatron-Core hands loaded state to an inner optimizer (the call-site functions below),
+the first registered :class:`StateAdopter` that accepts does the work in place of the inner
+optimizer's own code, which runs unchanged otherwise. Built in and registered: the
+``te_fused_adam_fp32`` adopter, which installs Transformer Engine FusedAdam's FP32 moments by
+reference instead of as a second copy (8 bytes per parameter at the load peak). Built in and
+opt-in: :class:`TEFusedAdamPrecisionAwareStateAdopter`. ``OptimizerConfig.optimizer_state_adoption
+= False`` switches adoption off (for the drop-in build also
+``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1``, read once); see docs/user-guide.md.
 """
 
-from .adopter import (
-    StateAdopter,
-    StateAdoptionContext,
-    StateExportContext,
-    StateExporter,
-    StateInitializer,
-    StateReadTargetProvider,
-)
-from .loader import (
+from .adopter import AdoptionContext, StateAdopter
+from .call_sites import (
     export_inner_optimizer_state_dict,
     initialize_inner_optimizer_state,
     load_inner_optimizer_state_dict,
@@ -42,32 +19,24 @@ from .loader import (
     store_read_optimizer_state,
     unscaled_state_or_read_target,
 )
-from .outcome import StateAdoptionOutcome
-from .registry import (
-    StateAdopterRegistration,
-    StateAdopterRegistry,
-    register_outcome_hook,
-    register_state_adopter,
-    registered_state_adopters,
-)
+from .outcome import AdoptionOutcome
+from .registry import StateAdopterRegistry, default_registry
+from .te_fused_adam import TEFusedAdamFP32StateAdopter
+from .te_precision_aware import TEFusedAdamPrecisionAwareStateAdopter
 
 __all__ = [
+    "AdoptionContext",
+    "AdoptionOutcome",
     "StateAdopter",
-    "StateAdopterRegistration",
     "StateAdopterRegistry",
-    "StateAdoptionContext",
-    "StateAdoptionOutcome",
-    "StateExportContext",
-    "StateExporter",
-    "StateInitializer",
-    "StateReadTargetProvider",
+    "TEFusedAdamPrecisionAwareStateAdopter",
+    "default_registry",
     "export_inner_optimizer_state_dict",
     "initialize_inner_optimizer_state",
     "load_inner_optimizer_state_dict",
     "reading_optimizer_state",
-    "register_outcome_hook",
-    "register_state_adopter",
-    "registered_state_adopters",
     "store_read_optimizer_state",
     "unscaled_state_or_read_target",
 ]
+
+default_registry().register(TEFusedAdamFP32StateAdopter(), built_in=True)

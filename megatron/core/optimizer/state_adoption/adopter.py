@@ -1,38 +1,27 @@
-"""The state adopter, exporter and initializer protocols, and the contexts they are given.
+"""The state adopter interface and the context its roles are given.
 
-A *state adopter* installs an inner optimizer's state while a Megatron optimizer (a
-``DistributedOptimizer``, with or without Megatron-FSDP, or a non-distributed
-``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer``) loads a checkpoint, instead of the
-inner optimizer's own ``load_state_dict``. Its purpose is to avoid work the own loader would do
-needlessly, e.g. allocating a second copy of tensors that already have the exact dtype, device
-and shape the optimizer uses.
+A *state adopter* does, while a Megatron optimizer loads a checkpoint, what the inner optimizer's
+own code would do, without the work that code does needlessly (e.g. Transformer Engine's
+FusedAdam allocating a second copy of moments that already have its dtype, device and shape).
+It has one required role and three optional ones, each a side-effect-free check (None to
+accept, a reason to decline) and an action:
 
-A *state exporter* (an adopter that also implements :class:`StateExporter`) supplies the inner
-state dict that ``DistributedOptimizer.load_state_dict`` starts from, instead of the inner
-optimizer's own ``state_dict()``: the state as the optimizer holds it, where the own method
-would return converted copies.
+* load (required): ``decline_reason`` / ``adopt`` install a ``{"state", "param_groups"}`` dict
+  instead of the inner optimizer's ``load_state_dict``;
+* export: ``export_decline_reason`` / ``export_state_dict`` return the state dict as the
+  optimizer holds it instead of its ``state_dict()`` (which may return converted copies);
+* initialize: ``initialize_decline_reason`` accepts that the optimizer's own ``step()`` without
+  gradients creates its complete state, instead of Megatron-FSDP's dummy step on zero gradients;
+* read: ``read_target_decline_reason`` / ``read_target`` supply the tensors a precision-aware
+  ``dp_reshardable`` checkpoint is read into instead of ``get_unscaled_state``'s FP32 copies.
 
-A *state initializer* (an adopter that also implements :class:`StateInitializer`) creates the
-state a Megatron-FSDP checkpoint is read into, instead of Megatron-FSDP's dummy step on zero
-gradients.
-
-A *read-target provider* (an adopter that also implements :class:`StateReadTargetProvider`)
-supplies the tensors a precision-aware ``DistributedOptimizer`` reads a ``dp_reshardable``
-checkpoint into, instead of the unscaled FP32 copies of its state (``get_unscaled_state``).
+Megatron-Core checks every result against what the own code would give and otherwise runs the
+own code (see ``dispatch.py``).
 """
 
+import abc
 from dataclasses import dataclass
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Dict,
-    Mapping,
-    Optional,
-    Protocol,
-    Type,
-    TypeVar,
-    runtime_checkable,
-)
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 import torch
 
@@ -42,48 +31,44 @@ if TYPE_CHECKING:
     )
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-__all__ = [
-    "StateAdopter",
-    "StateAdoptionContext",
-    "StateExportContext",
-    "StateExporter",
-    "StateInitializer",
-    "StateReadTargetProvider",
-]
-
-_Context = TypeVar("_Context", bound="StateExportContext")
+__all__ = ["AdoptionContext", "StateAdopter"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class StateExportContext:
-    """The inner optimizer and what is known of its owner, at either hook point.
+class AdoptionContext:
+    """What an adopter is told about one call.
 
     Attributes:
-        optimizer (torch.optim.Optimizer): the inner optimizer (e.g. Transformer Engine's
-            FusedAdam).
-        config (OptimizerConfig, optional): the owner's config; None without an owner.
-        ddp_config (DistributedDataParallelConfig, optional): the config of the owner's
-            model chunks; None for an owner without one (the non-distributed optimizers).
-        is_stub_optimizer (bool): True when the owner is a stub without real parameters.
+        optimizer (torch.optim.Optimizer): the inner optimizer, e.g. TE's FusedAdam.
+        config (OptimizerConfig, optional): the owner's config; None if it has none.
+        ddp_config (DistributedDataParallelConfig, optional): the owner's DDP config; None for
+            the non-distributed optimizers.
+        is_stub_optimizer (bool): whether the owner is a stub without parameters.
+        state_dict (Mapping[str, Any], optional): the dict to install (load role only). Adopters
+            neither mutate it nor write into its tensors.
+        owns_state_dict (bool): whether the call site built the state dict and its tensors, so
+            that nobody else holds them. Otherwise only tensors the optimizer holds already may
+            be installed by reference: the caller may keep and reuse the others.
     """
 
     optimizer: torch.optim.Optimizer
     config: Optional["OptimizerConfig"] = None
     ddp_config: Optional["DistributedDataParallelConfig"] = None
     is_stub_optimizer: bool = False
+    state_dict: Optional[Mapping[str, Any]] = None
+    owns_state_dict: bool = False
 
     @classmethod
-    def for_owner(cls: Type[_Context], owner: Any, **fields: Any) -> _Context:
-        """Build the context for the inner optimizer of ``owner``.
+    def for_owner(cls, owner: Any, **fields: Any) -> "AdoptionContext":
+        """Build the context of ``owner``'s inner optimizer.
 
         Args:
-            owner (Any): a Megatron optimizer (anything with an ``optimizer`` attribute; ``config``, ``ddp_config`` and ``is_stub_optimizer`` are read
-                when present).
-            **fields (Any): the fields of a subclass, e.g. ``state_dict``.
+            owner (Any): a Megatron optimizer (``optimizer`` is read; ``config``, ``ddp_config``
+                and ``is_stub_optimizer`` where present).
+            **fields (Any): ``state_dict`` and ``owns_state_dict`` for a load.
 
         Returns:
-            StateExportContext: the context (of the class it is called on) handed to every
-            adopter or exporter.
+            AdoptionContext: the context.
         """
         return cls(
             optimizer=owner.optimizer,
@@ -94,211 +79,101 @@ class StateExportContext:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class StateAdoptionContext(StateExportContext):
-    """An export context plus the state dict to install.
+class StateAdopter(abc.ABC):
+    """Base class of state adopters: subclass it, set ``name`` and implement the load role.
 
-    Attributes:
-        state_dict (Mapping[str, Any]): the assembled ``{"state", "param_groups"}`` dict, in
-            the format of ``torch.optim.Optimizer.state_dict()``. Adopters must neither
-            mutate it nor write into its tensors.
+    Contract of every role: its check is side-effect free, may run on any rank and must not
+    communicate; its action runs only after the check accepted the same context. A check that
+    raises is a decline. An action is checked against what the own code gives; if it raises or
+    its result does not match, the optimizer is restored and the own code runs (with a strict
+    registry: ``RuntimeError``). An adopter never sees an optimizer with hooks for the method it
+    stands in for, or with that method set on the instance: upstream would run those.
     """
 
-    state_dict: Mapping[str, Any]
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """Unique name: a letter, then letters, digits, ``_``, ``.`` or ``-``."""
 
-
-@runtime_checkable
-class StateAdopter(Protocol):
-    """Installs an inner optimizer's state in place of the optimizer's own loader.
-
-    Contract:
-        * ``name`` is unique among the registered adopters: letters, digits, ``_``, ``.``
-          and ``-``, starting with a letter (it is what disables the adopter by name).
-        * ``decline_reason`` is side-effect free: it reads the context and returns None to
-          accept or a human-readable reason to decline. If it raises, the adopter counts as
-          declining.
-        * ``adopt`` is only called after ``decline_reason`` accepted the same context. It
-          must validate everything before it changes the optimizer, then install all of
-          the state (all-or-nothing). If it raises anyway, the optimizer's previous
-          ``state`` and ``param_groups`` are restored and the optimizer's own
-          ``load_state_dict`` runs instead.
-        * Neither is offered an optimizer with ``load_state_dict`` hooks or with a
-          ``load_state_dict`` set on the instance: those always get the own loader.
-        * Both may be called from any rank and must not communicate.
-
-    What an adoption saved is measured, not claimed: after the install, the loader counts
-    the state bytes that are tensors which existed before the call (installed by reference)
-    and those that were newly allocated.
-    """
-
-    name: str
-
-    def decline_reason(self, context: StateAdoptionContext) -> Optional[str]:
-        """Decide whether this adopter can install ``context.state_dict``.
+    @abc.abstractmethod
+    def decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Decide whether to install ``context.state_dict``.
 
         Args:
-            context (StateAdoptionContext): the optimizer and the incoming state.
+            context (AdoptionContext): the optimizer and the incoming state dict.
 
         Returns:
-            Optional[str]: None to accept, otherwise why the adopter declines.
+            Optional[str]: None to accept, otherwise why not.
         """
-        ...
 
-    def adopt(self, context: StateAdoptionContext) -> None:
-        """Install ``context.state_dict`` into ``context.optimizer``.
+    @abc.abstractmethod
+    def adopt(self, context: AdoptionContext) -> None:
+        """Install ``context.state_dict`` into ``context.optimizer``: validate first, then
+        install all of it.
 
         Args:
-            context (StateAdoptionContext): a context this adopter accepted.
+            context (AdoptionContext): a context ``decline_reason`` accepted.
         """
-        ...
 
-
-@runtime_checkable
-class StateExporter(Protocol):
-    """Supplies the inner state dict in place of the optimizer's own ``state_dict()``.
-
-    A registered adopter that also implements these methods is consulted where
-    ``DistributedOptimizer.load_state_dict`` reads the inner optimizer's state dict.
-
-    Contract:
-        * ``export_decline_reason`` is side-effect free, like ``decline_reason``.
-        * ``export_state_dict`` changes nothing and returns PyTorch's state dict of the
-          optimizer *as it holds its state*: the param groups and ids PyTorch assigns, and per
-          parameter exactly the held keys, each tensor the held tensor itself (not a copy), so
-          that every loader turns it into the same bits as the own ``state_dict()``. It is
-          checked against the held state (same ids, groups, order, keys, shapes, dtypes,
-          devices and storages); if it raises or does not match, the own ``state_dict()`` is
-          used.
-        * Neither is offered an optimizer with ``state_dict`` hooks or with a ``state_dict``
-          set on the instance.
-        * Both may be called from any rank and must not communicate.
-    """
-
-    name: str
-
-    def export_decline_reason(self, context: StateExportContext) -> Optional[str]:
-        """Decide whether this exporter can supply the state dict of ``context.optimizer``.
+    def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Decide whether to supply the state dict of ``context.optimizer``.
 
         Args:
-            context (StateExportContext): the optimizer and its owner's configs.
+            context (AdoptionContext): the optimizer.
 
         Returns:
-            Optional[str]: None to accept, otherwise why the exporter declines.
+            Optional[str]: None to accept, otherwise why not (by default: not offered).
         """
-        ...
+        return "it offers no export"
 
-    def export_state_dict(self, context: StateExportContext) -> Dict[str, Any]:
-        """Return the state dict of ``context.optimizer`` as it holds its state.
+    def export_state_dict(self, context: AdoptionContext) -> Dict[str, Any]:
+        """Return PyTorch's state dict of ``context.optimizer`` with the held tensors themselves.
 
         Args:
-            context (StateExportContext): a context this exporter accepted.
+            context (AdoptionContext): a context ``export_decline_reason`` accepted.
 
         Returns:
             Dict[str, Any]: the ``{"state", "param_groups"}`` dict.
         """
-        ...
+        raise NotImplementedError(f"{self.name} offers no export")
 
-
-@runtime_checkable
-class StateInitializer(Protocol):
-    """Creates the inner optimizer's state for a checkpoint to be read into, in place of the
-    owner's own initialisation.
-
-    A registered adopter that also implements these methods is consulted where a Megatron-FSDP
-    ``DistributedOptimizer`` builds its sharded state dict for loading (``fsdp_dtensor``):
-    upstream creates the state there with a dummy ``step()`` on zero gradients, which holds a
-    gradient for every parameter on top of the new state; ``torch.distributed.checkpoint`` then
-    reads the checkpoint into that state in place.
-
-    Contract:
-        * ``initialize_decline_reason`` is side-effect free, like ``decline_reason``.
-        * ``initialize_state`` gives every parameter the state entries the own initialisation
-          gives it -- the same keys, dtypes, devices, shapes and layouts -- so that once the
-          checkpoint is read in, the state is what the own path gives. It may skip what the
-          read overwrites (values, the parameters) and must leave the param groups as they are,
-          except ``step``, which a first step creates or advances as the own one does. If it raises, or leaves a parameter with a non-empty local
-          shard without state, the optimizer's previous state and param groups are restored and
-          the own initialisation runs.
-        * Neither is offered an optimizer that already holds state, one with ``step`` hooks
-          (its own or global ones), or one with a ``step`` set on the instance.
-        * Both may be called from any rank and must not communicate.
-    """
-
-    name: str
-
-    def initialize_decline_reason(self, context: StateExportContext) -> Optional[str]:
-        """Decide whether this initializer can create the state of ``context.optimizer``.
+    def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Decide whether ``context.optimizer.step()`` without gradients creates the complete
+        state a checkpoint is read into (then Megatron-FSDP's zero gradients are not needed).
 
         Args:
-            context (StateExportContext): the optimizer and its owner's configs.
+            context (AdoptionContext): the optimizer, which holds no state.
 
         Returns:
-            Optional[str]: None to accept, otherwise why the initializer declines.
+            Optional[str]: None to accept, otherwise why not (by default: not offered).
         """
-        ...
+        return "it offers no initialization"
 
-    def initialize_state(self, context: StateExportContext) -> None:
-        """Create the state of ``context.optimizer`` for a checkpoint to be read into.
+    def read_target_decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Decide whether to supply the tensors a checkpoint is read into (asked once per read).
 
         Args:
-            context (StateExportContext): a context this initializer accepted.
-        """
-        ...
-
-
-@runtime_checkable
-class StateReadTargetProvider(Protocol):
-    """Supplies the tensors a checkpoint's optimizer state is read into, in place of the
-    unscaled FP32 copies the precision-aware ``DistributedOptimizer`` reads into.
-
-    A registered adopter that also implements these methods is consulted where a
-    precision-aware ``DistributedOptimizer`` builds its ``dp_reshardable`` sharded state dict for
-    loading. Upstream calls the inner optimizer's ``get_unscaled_state(param, name)`` for every
-    state tensor there: an FP32 copy of each BF16 (or scaled FP16/FP8) tensor, which the checkpoint
-    is read into and which lives through the whole read; after the read, ``set_scaled_state``
-    converts each into the held tensor.
-
-    Contract:
-        * ``read_target_decline_reason`` is side-effect free, like ``decline_reason``; it is
-          asked once per sharded state dict, after the held state was created.
-        * ``read_target(context, param, name)`` returns, for one state tensor, either the held
-          tensor itself (its local shard), when reading the checkpoint's values straight into
-          it gives the bits ``set_scaled_state`` would store (a plain cast: BF16, FP32 or int16
-          remainders; never a scaled FP16 or FP8 state), or a new FP32 tensor of the held
-          shape on the held device, which ``set_scaled_state`` converts after the read. A held
-          tensor as target is overwritten by the read, also by a read that fails midway, so
-          offer it only for state that holds nothing a user has yet (e.g. not after a step).
-          A target that breaks these rules, or a raise, makes this and every later tensor of
-          the sharded state dict fall back to ``get_unscaled_state``.
-        * Neither is offered an owner with adoption switched off, nor an optimizer with
-          ``get_unscaled_state`` or ``set_scaled_state`` set on the instance.
-        * Both may be called from any rank and must not communicate.
-    """
-
-    name: str
-
-    def read_target_decline_reason(self, context: StateExportContext) -> Optional[str]:
-        """Decide whether this provider can supply the read targets of ``context.optimizer``.
-
-        Args:
-            context (StateExportContext): the optimizer and its owner's configs.
+            context (AdoptionContext): the optimizer, whose state exists already.
 
         Returns:
-            Optional[str]: None to accept, otherwise why the provider declines.
+            Optional[str]: None to accept, otherwise why not (by default: not offered).
         """
-        ...
+        return "it offers no read targets"
 
-    def read_target(
-        self, context: StateExportContext, param: torch.Tensor, name: str
-    ) -> torch.Tensor:
-        """Return the tensor the checkpoint's values of state ``name`` of ``param`` are read into.
+    def read_target(self, context: AdoptionContext, param: torch.Tensor, name: str) -> torch.Tensor:
+        """Return the tensor state ``name`` of ``param`` is read into: the held tensor itself
+        where reading into it gives the bits ``set_scaled_state`` would store, or a new tensor
+        of the dtype ``get_unscaled_state`` returns.
 
         Args:
-            context (StateExportContext): a context this provider accepted.
+            context (AdoptionContext): a context ``read_target_decline_reason`` accepted.
             param (torch.Tensor): the inner optimizer's parameter.
-            name (str): the state's name, e.g. ``"exp_avg"`` or ``"master_param"``.
+            name (str): the state's name.
 
         Returns:
-            torch.Tensor: the held tensor itself or a new FP32 tensor (see the contract).
+            torch.Tensor: the read target.
         """
-        ...
+        raise NotImplementedError(f"{self.name} offers no read targets")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

@@ -1,61 +1,45 @@
-"""Ordered, thread-safe registry of state adopters with unique names, and the outcome hooks.
+"""The ordered registry of state adopters, their plugins and the outcome hooks.
 
-Adopters are registered in code with :func:`register_state_adopter` or, for installed
-plugin packages, discovered from the entry-point group
-``megatron_core.optimizer_state_adopters``. Each entry point names a zero-argument callable
-(typically the adopter class) that returns an adopter; the entry point's name must be the
-adopter's ``name``, e.g. in the plugin's ``pyproject.toml``::
+Adopters are tried in this order, whenever they were registered: the built-in ones, then the
+plugins (entry-point group ``megatron_core.optimizer_state_adopters``, by entry-point name),
+then those registered in code, in registration order; ``prepend=True`` puts one before all of
+them, the latest first, as PyTorch's ``register_*_hook(..., prepend=True)`` does. Plugins are
+loaded once, by :meth:`StateAdopterRegistry.load_plugins`, which Megatron-Core calls when it
+constructs an optimizer; the entry point names a zero-argument callable (typically the adopter
+class) returning an adopter whose ``name`` is the entry point's name::
 
     [project.entry-points."megatron_core.optimizer_state_adopters"]
-    my_adam = "my_package.adoption:MyAdamStateAdopter"   # MyAdamStateAdopter.name == "my_adam"
-
-The order adopters are tried in does not depend on when code registers them: plugins are
-discovered on the registry's first use (a registration, a listing or a load), so it is always
-
-1. the built-in adopters,
-2. the plugins, in entry-point name order,
-3. the adopters registered in code, in registration order,
-
-except that ``prepend=True`` puts an adopter before all of these (the latest first), as
-PyTorch's ``register_*_hook(..., prepend=True)`` does.
+    my_adam = "my_package.adoption:MyAdamStateAdopter"
 """
 
+import itertools
 import logging
+import os
 import re
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
-from typing import Callable, Iterable, Optional, Tuple, TypeVar
+from importlib.metadata import entry_points
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from torch.utils.hooks import RemovableHandle
 
 from .adopter import StateAdopter
-from .outcome import StateAdoptionOutcome
-from .te_fused_adam import TEFusedAdamFP32StateAdopter
+from .outcome import AdoptionOutcome
 
-__all__ = [
-    "StateAdopterRegistration",
-    "StateAdopterRegistry",
-    "default_registry",
-    "register_outcome_hook",
-    "register_state_adopter",
-    "registered_state_adopters",
-]
+__all__ = ["StateAdopterRegistry", "default_registry"]
 
 logger = logging.getLogger(__name__)
 
-_ENTRY_POINT_GROUP = "megatron_core.optimizer_state_adopters"
+PLUGIN_GROUP = "megatron_core.optimizer_state_adopters"
+DISABLE_VARIABLE = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
+_PREPENDED, _BUILT_IN, _PLUGIN, _CODE = range(4)
 
-_NAME_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
-
-_OutcomeHook = Callable[[StateAdoptionOutcome], None]
-
-_T = TypeVar("_T")
+OutcomeHook = Callable[[AdoptionOutcome], None]
 
 
-class _LockedHandleDict(OrderedDict[int, _T]):
-    """Entries by handle id; a ``RemovableHandle``'s removal takes the registry's lock too."""
+class _Handles(Dict[int, Any]):
+    """Entries by handle id; a handle's removal takes the registry's lock and may be repeated."""
 
     def __init__(self, lock: threading.RLock) -> None:
         super().__init__()
@@ -63,243 +47,178 @@ class _LockedHandleDict(OrderedDict[int, _T]):
 
     def __delitem__(self, handle_id: int) -> None:
         with self._lock:
-            super().__delitem__(handle_id)
+            self.pop(handle_id, None)
 
 
 @dataclass(frozen=True)
-class StateAdopterRegistration:
-    """One registered adopter.
-
-    Attributes:
-        name (str): the adopter's name, unique in the registry.
-        adopter (StateAdopter): the adopter.
-        origin (str): where it came from: ``"built-in"``, ``"register_state_adopter"`` or
-            ``"entry point NAME = VALUE (DISTRIBUTION VERSION)"``.
-        handle (RemovableHandle): ``handle.remove()`` unregisters it.
-    """
-
-    name: str
-    adopter: StateAdopter
+class _Entry:
+    item: Any  # a StateAdopter, or an outcome hook
     origin: str
+    order: Tuple[int, Any]
     handle: RemovableHandle
-
-
-def _check_is_adopter(adopter: object) -> None:
-    """Raise ``TypeError`` unless ``adopter`` implements :class:`StateAdopter` with a valid name."""
-    if not isinstance(adopter, StateAdopter) or isinstance(adopter, type):
-        raise TypeError(
-            f"{adopter!r} is not a state adopter: it needs a 'name' and the methods "
-            "'decline_reason(context)' and 'adopt(context)'"
-        )
-    if not isinstance(adopter.name, str) or not _NAME_PATTERN.fullmatch(adopter.name):
-        raise TypeError(
-            f"state adopter {adopter!r} has the name {adopter.name!r}; a name starts with a "
-            "letter and has only letters, digits, '_', '.' and '-'"
-        )
-
-
-def _entry_point_origin(entry_point: EntryPoint) -> str:
-    """Describe an entry point and the distribution that declares it."""
-    distribution = getattr(entry_point, "dist", None)
-    declared_by = f" ({distribution.name} {distribution.version})" if distribution else ""
-    return f"entry point {entry_point.name} = {entry_point.value}{declared_by}"
 
 
 class StateAdopterRegistry:
     """Uniquely named state adopters tried in order, and the hooks told of every outcome.
 
-    The process-wide registry (:func:`default_registry`) is what ``DistributedOptimizer``
-    consults. A separate one, passed as ``registry=`` to the loader functions, lets tests run
-    a load with exactly the adopters they choose.
-
     Args:
-        built_in (Iterable[StateAdopter]): adopters registered first, with origin
-            ``"built-in"``.
-        entry_point_group (str, optional): entry-point group to discover plugin adopters
-            from on first use; None disables discovery.
+        strict (bool): whether every fallback -- an adopter that raises or whose result does not
+            match, a plugin that does not load, an outcome hook that raises -- raises
+            ``RuntimeError`` instead of being logged as a warning. Tests run strict.
+        disabled_reason (str, optional): why adoption is switched off for every optimizer.
+        plugin_group (str, optional): the entry-point group :meth:`load_plugins` reads.
     """
 
     def __init__(
         self,
-        built_in: Iterable[StateAdopter] = (),
-        entry_point_group: Optional[str] = _ENTRY_POINT_GROUP,
+        *,
+        strict: bool = False,
+        disabled_reason: Optional[str] = None,
+        plugin_group: Optional[str] = None,
     ) -> None:
+        self.strict = strict
+        self.disabled_reason = disabled_reason
+        self._plugin_group = plugin_group
         self._lock = threading.RLock()
-        self._registrations: _LockedHandleDict[StateAdopterRegistration] = _LockedHandleDict(
-            self._lock
-        )
-        self._outcome_hooks: _LockedHandleDict[_OutcomeHook] = _LockedHandleDict(self._lock)
-        self._entry_point_group = entry_point_group
-        for adopter in built_in:
-            self._add(adopter, prepend=False, origin="built-in")
+        self._adopters = _Handles(self._lock)
+        self._outcome_hooks = _Handles(self._lock)
+        self._sequence = itertools.count()
 
-    def register(self, adopter: StateAdopter, prepend: bool = False) -> RemovableHandle:
-        """Register ``adopter`` after the others (or, with ``prepend``, before all of them).
+    def register(
+        self, adopter: StateAdopter, prepend: bool = False, *, built_in: bool = False
+    ) -> RemovableHandle:
+        """Register ``adopter`` after the others of its kind, or with ``prepend`` before all.
 
         Args:
-            adopter (StateAdopter): the adopter to register.
-            prepend (bool): if True, try this adopter before all registered ones.
+            adopter (StateAdopter): the adopter; its ``name`` must be valid and unused.
+            prepend (bool): try it before every registered adopter.
+            built_in (bool): it is Megatron-Core's own; tried before plugins and code's.
 
         Returns:
             torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters it.
 
         Raises:
-            TypeError: if ``adopter`` is not a :class:`StateAdopter` with a valid name.
-            ValueError: if an adopter with the same name is registered.
+            TypeError: if ``adopter`` is no ``StateAdopter`` or its name is invalid.
+            ValueError: if an adopter of that name is registered.
         """
-        self._discover_plugins()
-        return self._add(adopter, prepend, origin="register_state_adopter")
+        tier = _PREPENDED if prepend else _BUILT_IN if built_in else _CODE
+        origin = "built-in" if built_in else "register"
+        return self._add(adopter, tier, origin)
 
-    def registrations(self) -> Tuple[StateAdopterRegistration, ...]:
-        """Return the registrations in the order their adopters are tried.
-
-        Returns:
-            Tuple[StateAdopterRegistration, ...]: a snapshot; later changes do not alter it.
-        """
-        self._discover_plugins()
+    def registrations(self) -> Tuple[Tuple[StateAdopter, RemovableHandle], ...]:
+        """Return (adopter, handle) of every registered adopter, in the order they are tried."""
         with self._lock:
-            return tuple(self._registrations.values())
+            entries = sorted(self._adopters.values(), key=lambda entry: entry.order)
+        return tuple((entry.item, entry.handle) for entry in entries)
 
-    def register_outcome_hook(self, hook: _OutcomeHook, prepend: bool = False) -> RemovableHandle:
-        """Call ``hook(outcome)`` after every load or export through this registry.
-
-        The hook runs on every rank, after the call. A hook that raises is logged as a
-        warning and does not affect the load.
+    def register_outcome_hook(self, hook: OutcomeHook, prepend: bool = False) -> RemovableHandle:
+        """Call ``hook(outcome)`` on this rank after every call that consults this registry.
 
         Args:
-            hook (Callable[[StateAdoptionOutcome], None]): receives each outcome.
-            prepend (bool): if True, call this hook before the already registered ones.
+            hook (Callable[[AdoptionOutcome], None]): receives each outcome.
+            prepend (bool): call it before the hooks registered already.
 
         Returns:
-            torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters the hook.
+            torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters it.
         """
         if not callable(hook):
             raise TypeError(f"outcome hook {hook!r} is not callable")
+        order = (_PREPENDED, -next(self._sequence)) if prepend else (_CODE, next(self._sequence))
         with self._lock:
             handle = RemovableHandle(self._outcome_hooks)
-            self._outcome_hooks[handle.id] = hook
-            if prepend:
-                self._outcome_hooks.move_to_end(handle.id, last=False)
+            self._outcome_hooks[handle.id] = _Entry(hook, "hook", order, handle)
         return handle
 
-    def report_outcome(self, outcome: StateAdoptionOutcome) -> None:
-        """Hand ``outcome`` to every outcome hook; a hook that raises is logged and skipped.
+    def report(self, outcome: AdoptionOutcome) -> None:
+        """Hand ``outcome`` to every outcome hook; one that raises is a fallback, skipped."""
+        with self._lock:
+            hooks = sorted(self._outcome_hooks.values(), key=lambda entry: entry.order)
+        for entry in hooks:
+            try:
+                entry.item(outcome)
+            except Exception as error:  # observing a load must not break it
+                self.fall_back(f"outcome hook {entry.item!r} raised", error)
+
+    def fall_back(self, what: str, error: Optional[BaseException] = None) -> None:
+        """Log a fallback as a warning on this rank, or raise ``RuntimeError`` if strict.
 
         Args:
-            outcome (StateAdoptionOutcome): what a call at a hook point did.
+            what (str): what failed and what runs instead.
+            error (BaseException, optional): the exception behind it.
         """
-        with self._lock:
-            hooks = tuple(self._outcome_hooks.values())
-        for hook in hooks:
-            try:
-                hook(outcome)
-            except Exception as error:  # observing a load must never break it
-                logger.warning(
-                    "Optimizer state adoption outcome hook %r raised %s: %s",
-                    hook,
-                    type(error).__name__,
-                    error,
-                )
+        message = f"Optimizer state adoption: {what}"
+        if error is not None:
+            message += f" ({type(error).__name__}: {error})"
+        if self.strict:
+            raise RuntimeError(f"{message} [strict registry]") from error
+        logger.warning(message)
 
-    def _add(self, adopter: StateAdopter, prepend: bool, origin: str) -> RemovableHandle:
-        """Add one registration; the name check and the insertion are atomic."""
-        _check_is_adopter(adopter)
+    def load_plugins(self) -> None:
+        """Register the installed plugins' adopters, once; a broken one is a fallback."""
         with self._lock:
-            for registration in self._registrations.values():
-                if registration.name == adopter.name:
-                    raise ValueError(
-                        f"a state adopter named {adopter.name!r} is already registered "
-                        f"({registration.origin}); remove it first or choose another name"
-                    )
-            handle = RemovableHandle(self._registrations)
-            self._registrations[handle.id] = StateAdopterRegistration(
-                adopter.name, adopter, origin, handle
+            group, self._plugin_group = self._plugin_group, None
+        if group is None:
+            return
+        for entry_point in sorted(entry_points(group=group), key=lambda ep: ep.name):
+            dist = getattr(entry_point, "dist", None)
+            origin = f"entry point {entry_point.name} = {entry_point.value}" + (
+                f" ({dist.name} {dist.version})" if dist is not None else ""
             )
-            if prepend:
-                self._registrations.move_to_end(handle.id, last=False)
+            try:
+                self._add(entry_point.load()(), _PLUGIN, origin, entry_point.name)
+            except Exception as error:  # a plugin must not break checkpoint loading
+                self.fall_back(f"the plugin from {origin} is skipped", error)
+
+    def _add(
+        self, adopter: StateAdopter, tier: int, origin: str, key: Any = None
+    ) -> RemovableHandle:
+        if not isinstance(adopter, StateAdopter):
+            raise TypeError(f"{adopter!r} is not a StateAdopter")
+        if not isinstance(adopter.name, str) or not _NAME.fullmatch(adopter.name):
+            raise TypeError(
+                f"state adopter {adopter!r} has the name {adopter.name!r}; a name starts with a "
+                "letter and has only letters, digits, '_', '.' and '-'"
+            )
+        if tier == _PLUGIN and adopter.name != key:
+            raise ValueError(f"the adopter's name {adopter.name!r} is not the entry point's")
+        with self._lock:
+            for entry in self._adopters.values():
+                if entry.item.name == adopter.name:
+                    raise ValueError(
+                        f"a state adopter named {adopter.name!r} is registered ({entry.origin})"
+                    )
+            sequence = next(self._sequence)
+            order = (tier, -sequence if tier == _PREPENDED else key or sequence)
+            handle = RemovableHandle(self._adopters)
+            self._adopters[handle.id] = _Entry(adopter, origin, order, handle)
         return handle
 
-    def _discover_plugins(self) -> None:
-        """Register installed plugins' adopters once; a broken one is logged and skipped.
 
-        They go after the adopters registered so far, which before the first public use are
-        only the built-in ones.
-        """
-        with self._lock:
-            if self._entry_point_group is None:
-                return
-            group, self._entry_point_group = self._entry_point_group, None
-            for entry_point in sorted(entry_points(group=group), key=lambda ep: ep.name):
-                origin = _entry_point_origin(entry_point)
-                try:
-                    adopter = entry_point.load()()
-                    name = getattr(adopter, "name", None)
-                    if name != entry_point.name:
-                        raise ValueError(
-                            f"the adopter's name {name!r} differs from the entry point's name "
-                            f"{entry_point.name!r}; they must be equal (the name disables it)"
-                        )
-                    self._add(adopter, prepend=False, origin=origin)
-                except Exception as error:  # a plugin must never break checkpoint loading
-                    logger.warning(
-                        "Skipping optimizer state adopter plugin from %s: %s: %s",
-                        origin,
-                        type(error).__name__,
-                        error,
-                    )
+def _disabled_by_environment() -> Optional[str]:
+    """Read ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION`` once: why adoption is off, or None."""
+    raw = os.environ.get(DISABLE_VARIABLE)
+    value = (raw or "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return None
+    if value not in ("1", "true", "yes", "on"):
+        logger.warning(
+            "%s=%r is none of 1, true, yes, on or 0, false, no, off; optimizer state adoption "
+            "is switched off to be safe",
+            DISABLE_VARIABLE,
+            raw,
+        )
+    return f"{DISABLE_VARIABLE}={raw} is set"
 
 
-_DEFAULT_REGISTRY = StateAdopterRegistry(built_in=(TEFusedAdamFP32StateAdopter(),))
+_DEFAULT_REGISTRY = StateAdopterRegistry(
+    disabled_reason=_disabled_by_environment(), plugin_group=PLUGIN_GROUP
+)
 
 
 def default_registry() -> StateAdopterRegistry:
-    """Return the process-wide registry that ``DistributedOptimizer`` consults.
+    """Return the process-wide registry Megatron-Core's optimizers consult.
 
     Returns:
-        StateAdopterRegistry: it holds the built-in adopter, the installed plugins and what
-        :func:`register_state_adopter` added.
+        StateAdopterRegistry: the built-in adopters, the loaded plugins and what was registered.
     """
     return _DEFAULT_REGISTRY
-
-
-def register_state_adopter(adopter: StateAdopter, prepend: bool = False) -> RemovableHandle:
-    """Register ``adopter`` in the process-wide registry (see :meth:`StateAdopterRegistry.register`).
-
-    Args:
-        adopter (StateAdopter): the adopter to register; its ``name`` must be unused.
-        prepend (bool): if True, try this adopter before all registered ones.
-
-    Returns:
-        torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters it.
-    """
-    return _DEFAULT_REGISTRY.register(adopter, prepend=prepend)
-
-
-def registered_state_adopters() -> Tuple[StateAdopterRegistration, ...]:
-    """Return the process-wide registry's adopters in the order they are tried.
-
-    Returns:
-        Tuple[StateAdopterRegistration, ...]: each adopter with its name, origin and a handle
-        that removes it (entry-point adopters included).
-    """
-    return _DEFAULT_REGISTRY.registrations()
-
-
-def register_outcome_hook(hook: _OutcomeHook, prepend: bool = False) -> RemovableHandle:
-    """Call ``hook(outcome)`` after every load or export through the process-wide registry.
-
-    For example, to record which adopter installed the state::
-
-        outcomes = []
-        handle = register_outcome_hook(outcomes.append)
-        ...  # load a checkpoint
-        handle.remove()
-
-    Args:
-        hook (Callable[[StateAdoptionOutcome], None]): receives each outcome.
-        prepend (bool): if True, call this hook before the already registered ones.
-
-    Returns:
-        torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters the hook.
-    """
-    return _DEFAULT_REGISTRY.register_outcome_hook(hook, prepend=prepend)

@@ -237,7 +237,7 @@ def test_check_holds_the_build_to_each_expectation() -> None:
 def test_the_committed_h200_suite_re_renders_and_meets_its_expectations() -> None:
     """docs/gpu-results/session-14-megatron-lm-suite: the report re-renders from its JSON, and
     ``--check``'s verdicts on it are what the GPU report states."""
-    results = Path(__file__).resolve().parents[1] / "docs/gpu-results/session-14-megatron-lm-suite"
+    results = Path(__file__).resolve().parents[2] / "docs/gpu-results/session-14-megatron-lm-suite"
     document = json.loads((results / "suite.json").read_text())
     assert markdown_report(document) == (results / "suite.md").read_text()
     verdicts = {run["configuration"]["name"]: expectation_problems(run) for run in document["runs"]}

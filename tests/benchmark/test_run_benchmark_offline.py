@@ -19,7 +19,7 @@ from typing import Dict, Optional
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "run-benchmark.sh"
 UNREACHABLE_INDEX = "http://127.0.0.1:9/simple"
 

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PATCH_FILE = (
     REPO_ROOT / "patches" / "0001-distrib-optimizer-route-inner-load-through-state-adoption.patch"
 )

@@ -126,7 +126,7 @@ def test_sigterm_to_the_driver_kills_the_running_launch(tmp_path: Path) -> None:
         f"'--client', {str(client)!r}, '--result', {str(result)!r}, 'script.py']\n"
         f"run_phase(Workspace(Path({str(tmp_path)!r})), Side('build', None, 't'), 'p', command, 300.0, 2)\n"
     )
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     driver = subprocess.Popen([sys.executable, "-c", script], cwd=repo)
     deadline = time.monotonic() + 60
     launched: list[str] = []

@@ -397,7 +397,7 @@ def test_memory_timeline_imports_neither_torch_nor_matplotlib() -> None:
         "import sys, benchmarks.resume_benchmark.memory_timeline; "
         "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )

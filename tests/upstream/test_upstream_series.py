@@ -31,7 +31,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "upstream"))
 
 import build_series  # noqa: E402  (upstream/ is not a package)

@@ -1,0 +1,484 @@
+"""Side-effect-free checks of incoming, installed, exported, initialized and read-target state.
+
+Each check returns None when its rule holds and a human-readable reason otherwise. Adopters
+chain them in their ``decline_reason``; the dispatcher applies the result checks to every
+adopter's work. Tensors are compared by the bytes they cover in their storage (``Extents``), so
+views, aliases and overlaps are found whatever Python objects hold them.
+"""
+
+import bisect
+from itertools import chain
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+__all__: List[str] = []
+
+ExpectedState = Mapping[str, torch.dtype]
+"""State keys of one parameter, each with the dtype it must have."""
+
+_PLAIN_CAST_DTYPES = (torch.bfloat16, torch.float32, torch.int16)
+_MISSING = object()
+
+
+def first_problem(*checks: Callable[[], Optional[str]]) -> Optional[str]:
+    """Run ``checks`` in order (later ones may rely on earlier ones); return the first reason."""
+    for check in checks:
+        reason = check()
+        if reason is not None:
+            return reason
+    return None
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """Every parameter of ``optimizer``, group by group (PyTorch's state-dict order)."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (Megatron-FSDP's parameters and state are)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor that holds its memory), or the tensor itself."""
+    if is_dtensor(tensor):
+        shard: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
+        return shard
+    return tensor
+
+
+def extent(tensor: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+    """(storage address, first byte, end byte) of the memory ``tensor`` covers; None if none."""
+    shard = local(tensor)
+    if shard.numel() == 0 or shard.device.type == "meta":
+        return None
+    span = 1 + sum((size - 1) * abs(step) for size, step in zip(shard.shape, shard.stride()))
+    start = int(shard.storage_offset()) * shard.element_size()
+    return shard.untyped_storage().data_ptr(), start, start + int(span) * shard.element_size()
+
+
+class Extents:
+    """Labelled byte ranges of tensors, to find the tensors a new one overlaps."""
+
+    def __init__(self) -> None:
+        self._ranges: Dict[int, List[Tuple[int, int, str]]] = {}
+
+    def overlap(self, tensor: torch.Tensor, allowed: Optional[str] = None) -> Optional[str]:
+        """The label of a range ``tensor`` overlaps, other than an equal one labelled ``allowed``."""
+        place = extent(tensor)
+        if place is None:
+            return None
+        storage, start, end = place
+        ranges = self._ranges.get(storage, [])
+        for other_start, other_end, label in reversed(ranges[: bisect.bisect_left(ranges, (end,))]):
+            if other_end <= start:
+                break  # ranges are only added while disjoint (or equal), so none before reaches
+            if not (label == allowed and (other_start, other_end) == place[1:]):
+                return label
+        return None
+
+    def add(self, tensor: torch.Tensor, label: str, allowed: Optional[str] = None) -> Optional[str]:
+        """Add ``tensor``'s range; return the label of one it overlaps (see :meth:`overlap`)."""
+        overlapped = self.overlap(tensor, allowed)
+        place = extent(tensor)
+        if place is not None:
+            bisect.insort(self._ranges.setdefault(place[0], []), (place[1], place[2], label))
+        return overlapped
+
+
+def owner_problem(context: Any, precision_aware: bool) -> Optional[str]:
+    """Decline stub and CPU-offloaded owners, and the other precision mode.
+
+    Args:
+        context (AdoptionContext): the context.
+        precision_aware (bool): whether the adopter requires ``use_precision_aware_optimizer``
+            (True) or requires it off (False).
+
+    Returns:
+        Optional[str]: None if the owner's mode fits.
+    """
+    config = context.config
+    if context.is_stub_optimizer:
+        return "the owner is a stub optimizer"
+    if config is None:
+        return "the owner's OptimizerConfig is unknown"
+    for flag, required in (
+        ("optimizer_cpu_offload", False),
+        ("use_precision_aware_optimizer", precision_aware),
+    ):
+        if not hasattr(config, flag):
+            return f"{type(config).__name__} has no '{flag}'"
+        if bool(getattr(config, flag)) != required:
+            return f"{flag} is {'not ' if required else ''}set"
+    return None
+
+
+def tensor_problem(value: Any, dtype: torch.dtype, like: torch.Tensor) -> Optional[str]:
+    """Accept a dense, contiguous, plain ``dtype`` tensor on ``like``'s device and of its shape,
+    not requiring grad; for a DTensor ``like``, a DTensor of its layout whose shard is one."""
+    if is_dtensor(like):
+        if not is_dtensor(value):
+            return f"is a {type(value).__name__}, the parameter a DTensor"
+        for attribute in ("device_mesh", "placements", "shape"):
+            if getattr(value, attribute) != getattr(like, attribute):
+                return f"has another {attribute} than the parameter"
+        if value.stride() != like.stride():
+            return "has another stride than the parameter"
+        value, like = local(value), local(like)
+    if type(value) is not torch.Tensor:
+        return f"is a {type(value).__name__}, not a plain torch.Tensor"
+    if value.is_quantized or value.layout != torch.strided:
+        return f"is quantized or has layout {value.layout}"
+    if value.is_neg() or value.is_conj():
+        return "is a negated or conjugated view"
+    if value.dtype != dtype:
+        return f"is {value.dtype}, not {dtype}"
+    if value.device != like.device:
+        return f"is on {value.device}, the parameter on {like.device}"
+    if value.shape != like.shape:
+        return f"has shape {tuple(value.shape)}, the parameter {tuple(like.shape)}"
+    if not value.is_contiguous():
+        return "is not contiguous"
+    if value.requires_grad:
+        return "requires grad"
+    return None
+
+
+def param_groups_problem(optimizer: torch.optim.Optimizer, state_dict: Any) -> Optional[str]:
+    """PyTorch's validation of a state dict's groups (count and sizes), without raising."""
+    state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        return "the state dict lacks a 'state' mapping or a 'param_groups' list"
+    if len(groups) != len(optimizer.param_groups):
+        return f"the state dict has {len(groups)} param groups, the optimizer {len(optimizer.param_groups)}"
+    for index, (given, group) in enumerate(zip(groups, optimizer.param_groups)):
+        if not isinstance(given, Mapping) or not isinstance(given.get("params"), list):
+            return f"param group {index} of the state dict has no 'params' list"
+        if len(given["params"]) != len(group["params"]):
+            return f"param group {index} has {len(given['params'])} params in the state dict, {len(group['params'])} in the optimizer"
+    return None
+
+
+def paired_state(
+    optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> Iterator[Tuple[int, torch.Tensor, Any]]:
+    """Yield (position, parameter, incoming entry or a marker for none) as PyTorch pairs them."""
+    ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+    for index, (state_id, param) in enumerate(zip(ids, params_of(optimizer))):
+        yield index, param, state_dict["state"].get(state_id, _MISSING)
+
+
+def held_extents(optimizer: torch.optim.Optimizer) -> Extents:
+    """The parameters' and the held state tensors' ranges, labelled by parameter and key."""
+    extents = Extents()
+    for index, param in enumerate(params_of(optimizer)):
+        extents.add(param, f"parameter {index}")
+        entry = optimizer.state.get(param)
+        for key, value in entry.items() if isinstance(entry, Mapping) else ():
+            if isinstance(value, torch.Tensor):
+                extents.add(value, f"held {key} of parameter {index}")
+    return extents
+
+
+def incoming_state_problem(
+    context: Any,
+    param_problem: Callable[[torch.Tensor], Optional[str]],
+    expected: Callable[[torch.Tensor], ExpectedState],
+) -> Optional[str]:
+    """Check groups, parameters and every incoming tensor for installing by reference.
+
+    Requires PyTorch's group validation; every parameter accepted by ``param_problem`` with one
+    incoming entry (none for an empty local shard) of exactly the keys of ``expected(param)``,
+    each tensor meeting :func:`tensor_problem`; no two tensors or a tensor and a parameter
+    overlapping; and, unless the call site owns the state dict, each tensor held already.
+
+    Args:
+        context (AdoptionContext): the context of a load.
+        param_problem (Callable): the adopter's rule for one parameter.
+        expected (Callable): the keys and dtypes accepted for one parameter.
+
+    Returns:
+        Optional[str]: None if everything can be installed by reference.
+    """
+    optimizer, state_dict = context.optimizer, context.state_dict
+    reason = param_groups_problem(optimizer, state_dict)
+    if reason is not None:
+        return reason
+    extents, entries = Extents(), 0
+    for index, param in enumerate(params_of(optimizer)):
+        extents.add(param, f"parameter {index}")
+    for index, param, entry in paired_state(optimizer, state_dict):
+        reason = param_problem(param)
+        if reason is None and entry is _MISSING:
+            if local(param).numel() == 0:
+                continue  # an empty shard has no state (Megatron-FSDP creates none)
+            reason = "has no incoming state"
+        if reason is None:
+            entries += 1
+            reason = _entry_problem(context, param, entry, expected(param), extents)
+        if reason is not None:
+            return f"parameter {index}: {reason}"
+    if len(state_dict["state"]) != entries:
+        return "the incoming state does not hold exactly one entry per parameter"
+    return None
+
+
+def _entry_problem(
+    context: Any, param: torch.Tensor, entry: Any, expected: ExpectedState, extents: Extents
+) -> Optional[str]:
+    """One parameter's incoming entry: keys, tensors, overlaps and whom the tensors belong to."""
+    if not isinstance(entry, Mapping) or set(entry) != set(expected):
+        keys = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+        return f"the incoming state has keys {keys}, not {sorted(expected)}"
+    held = context.optimizer.state.get(param, {})
+    for key, dtype in expected.items():
+        value = entry[key]
+        reason = tensor_problem(value, dtype, param)
+        if reason is not None:
+            return f"incoming {key} {reason}"
+        overlapped = extents.add(value, f"incoming {key}")
+        if overlapped is not None:
+            return f"incoming {key} overlaps {overlapped}"
+        if not context.owns_state_dict and not same_memory(value, held.get(key)):
+            return (
+                f"incoming {key} is the caller's tensor, not the held one: the caller may keep it"
+            )
+    return None
+
+
+def same_memory(tensor: Any, other: Any) -> bool:
+    """Whether two tensors are the same elements of the same memory (a tensor or an alias)."""
+    if not (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor)):
+        return False
+    a, b = local(tensor), local(other)
+    return (a is b or extent(a) == extent(b) is not None) and (
+        a.dtype,
+        a.shape,
+        a.stride(),
+        a.device,
+    ) == (b.dtype, b.shape, b.stride(), b.device)
+
+
+def same_value(installed: Any, given: Any) -> bool:
+    """Whether a hyper-parameter equals the given one: tensors bit for bit, objects without an
+    ``==`` of their own by type (PyTorch's loader installs deep copies)."""
+    if installed is given:
+        return True
+    if isinstance(installed, torch.Tensor) or isinstance(given, torch.Tensor):
+        return (
+            isinstance(installed, torch.Tensor)
+            and isinstance(given, torch.Tensor)
+            and (installed.dtype, installed.shape) == (given.dtype, given.shape)
+            and bool(torch.equal(installed.cpu(), given.cpu()))
+        )
+    if type(installed) is not type(given):
+        return False
+    if getattr(type(given), "__eq__") is getattr(object, "__eq__"):
+        return True  # a deep copy of an object without its own == is the same value
+    try:
+        return bool(installed == given)
+    except Exception:  # a value without a usable == is not the given one
+        return False
+
+
+def installed_state_problem(
+    optimizer: torch.optim.Optimizer,
+    given: Mapping[str, Any],
+    params: List[List[Any]],
+    held: Mapping[int, Mapping[str, Any]],
+    owns_state_dict: bool,
+) -> Optional[str]:
+    """Check an install against what every loader gets right.
+
+    The optimizer keeps its parameters in its groups and gets the state dict's hyper-parameters;
+    exactly the parameters the state dict has state for get state, with its keys (a None value
+    may be left out); each tensor is the incoming one (only if the call site owns the state
+    dict or the optimizer held it already), the one held before, or new memory, shaped and
+    placed as the incoming one.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer after the install.
+        given (Mapping[str, Any]): the state dict's containers as they were before it.
+        params (List[List[Any]]): the optimizer's parameters before it, per group.
+        held (Mapping[int, Mapping[str, Any]]): the state held before it, by ``id(param)``.
+        owns_state_dict (bool): whether the call site owns the state dict's tensors.
+
+    Returns:
+        Optional[str]: None if the install keeps these rules, else the first it broke.
+    """
+    groups, flat = optimizer.param_groups, [param for group in params for param in group]
+    if [len(g["params"]) for g in groups] != [len(p) for p in params] or any(
+        a is not b for g, p in zip(groups, params) for a, b in zip(g["params"], p)
+    ):
+        return "the param groups do not hold the optimizer's parameters"
+    for index, (group, given_group) in enumerate(zip(groups, given["param_groups"])):
+        for key, value in given_group.items():
+            if key != "params" and not (key in group and same_value(group[key], value)):
+                return f"param group {index} does not have the state dict's {key}"
+    known = {id(param) for param in flat}
+    if any(isinstance(key, torch.Tensor) and id(key) not in known for key in optimizer.state):
+        return "there is state for a tensor that is no parameter of the optimizer"
+    earlier = Extents()
+    for entries, what in (
+        (held.values(), "a tensor held before"),
+        (given["state"].values(), "an incoming tensor"),
+    ):
+        for entry in entries:
+            for value in entry.values() if isinstance(entry, Mapping) else ():
+                if isinstance(value, torch.Tensor):
+                    earlier.add(value, what)
+    ids = chain.from_iterable(group["params"] for group in given["param_groups"])
+    for index, (state_id, param) in enumerate(zip(ids, flat)):
+        entry, source = optimizer.state.get(param), given["state"].get(state_id)
+        if source is None:
+            if entry:
+                return f"parameter {index} has state, the state dict none"
+            continue
+        if not isinstance(entry, Mapping) or not (
+            {k for k, v in source.items() if v is not None} <= set(entry) <= set(source)
+        ):
+            return f"the state of parameter {index} does not have the state dict's keys"
+        before = held.get(id(param), {})
+        for key, value in entry.items():
+            reason = _installed_tensor_problem(
+                value, source[key], before.get(key), earlier, owns_state_dict
+            )
+            if reason is not None:
+                return f"{key} of parameter {index} {reason}"
+    return None
+
+
+def _installed_tensor_problem(
+    value: Any, source: Any, before: Any, earlier: Extents, owns_state_dict: bool
+) -> Optional[str]:
+    """One installed tensor: the incoming one, the one held before, or new memory like it."""
+    if not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor):
+        return None
+    if same_memory(value, source):
+        if owns_state_dict or same_memory(value, before):
+            return None
+        return "is the caller's tensor, which the caller may keep and reuse"
+    if same_memory(value, before):
+        return None
+    overlapped = earlier.overlap(value)
+    if overlapped is not None:
+        return f"overlaps {overlapped} of another parameter or key"
+    if (local(value).shape, local(value).device) != (local(source).shape, local(source).device):
+        return "is not shaped and placed as the incoming tensor"
+    return None
+
+
+def exported_state_problem(optimizer: torch.optim.Optimizer, exported: Any) -> Optional[str]:
+    """Check that an export is PyTorch's state dict of the optimizer as it holds its state.
+
+    Exactly the keys ``state`` and ``param_groups``; the optimizer's groups in order with their
+    hyper-parameters and the ids PyTorch assigns; state for exactly the parameters holding
+    state, with the held keys, every tensor the held one itself and every other value equal.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer.
+        exported (Any): what an adopter exported.
+
+    Returns:
+        Optional[str]: None if the export matches, else the first difference.
+    """
+    if not isinstance(exported, dict) or set(exported) != {"state", "param_groups"}:
+        return "it is not a dict of exactly 'state' and 'param_groups'"
+    groups, state = exported["param_groups"], exported["state"]
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return "its param groups are not the optimizer's"
+    ids: Dict[int, int] = {}  # numbered as torch.optim.Optimizer.state_dict numbers them
+    for index, (group, held_group) in enumerate(zip(groups, optimizer.param_groups)):
+        for param in held_group["params"]:
+            ids.setdefault(id(param), len(ids))
+        expected_ids = [ids[id(param)] for param in held_group["params"]]
+        if not isinstance(group, Mapping) or group.get("params") != expected_ids:
+            return f"param group {index} does not list the parameter ids {expected_ids}"
+        if set(group) != set(held_group) or not all(
+            same_value(group[key], value) for key, value in held_group.items() if key != "params"
+        ):
+            return f"param group {index} has other hyper-parameters than the optimizer's"
+    held_state = {ids[id(p)]: e for p, e in optimizer.state.items() if id(p) in ids}
+    if not isinstance(state, Mapping) or set(state) != set(held_state):
+        return "its state is not for exactly the parameters that hold state"
+    for state_id, held in held_state.items():
+        entry = state[state_id]
+        if not isinstance(entry, Mapping) or set(entry) != set(held):
+            return f"the state of parameter {state_id} does not have the held keys"
+        for key, value in held.items():
+            if isinstance(value, torch.Tensor):
+                if not same_memory(entry[key], value):
+                    return f"{key} of parameter {state_id} is not the held tensor"
+            elif not same_value(entry[key], value):
+                return f"{key} of parameter {state_id} is not the held value"
+    return None
+
+
+def initialized_state_problem(
+    optimizer: torch.optim.Optimizer, params: List[List[Any]], groups: List[Dict[str, Any]]
+) -> Optional[str]:
+    """Check an initialization: the groups as captured except ``step``; state for every
+    parameter with a non-empty local shard and for nothing else.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer after the initialization.
+        params (List[List[Any]]): its parameters before, per group.
+        groups (List[Dict[str, Any]]): its groups' entries before.
+
+    Returns:
+        Optional[str]: None if the initialization is complete.
+    """
+    for group, before, group_params in zip(optimizer.param_groups, groups, params):
+        if (
+            {k for k in group if k != "step"} != {k for k in before if k != "step"}
+            or any(group[k] is not v for k, v in before.items() if k not in ("step", "params"))
+            or [id(p) for p in group["params"]] != [id(p) for p in group_params]
+        ):
+            return "the param groups changed"
+    flat = [param for group in params for param in group]
+    known = {id(param) for param in flat}
+    if any(id(key) not in known for key in optimizer.state):
+        return "there is state for something that is no parameter of the optimizer"
+    for index, param in enumerate(flat):
+        entry = optimizer.state.get(param)
+        if local(param).numel() > 0 and not (
+            isinstance(entry, Mapping) and any(isinstance(v, torch.Tensor) for v in entry.values())
+        ):
+            return f"parameter {index} has no state"
+    return None
+
+
+def read_target_problem(
+    optimizer: Any, param: torch.Tensor, name: str, target: Any, extents: Extents, label: str
+) -> Optional[str]:
+    """Check one read target; add its range to ``extents`` (held tensors, params, targets).
+
+    The target is either the held tensor of ``name`` itself, where reading into it is a plain
+    cast (BF16, FP32, int16 remainders), or new memory of the held shape and device in the dtype
+    ``get_unscaled_state`` returns (int16 for remainders, else FP32). It overlaps nothing else.
+
+    Returns:
+        Optional[str]: None if the checkpoint may be read into ``target``.
+    """
+    entry = optimizer.state.get(param)
+    held = entry.get(name) if isinstance(entry, Mapping) else None
+    if not isinstance(held, torch.Tensor):
+        return f"the optimizer holds no {name!r} for this parameter"
+    held = local(held)
+    if same_memory(target, held):
+        if held.dtype not in _PLAIN_CAST_DTYPES:
+            return f"the held {name!r} is {held.dtype}, which TE scales: it needs an FP32 target"
+        overlapped = extents.add(target, f"target {label}", allowed=f"held {label}")
+    else:
+        dtype = torch.int16 if held.dtype == torch.int16 else torch.float32
+        reason = tensor_problem(target, dtype, held)
+        if reason is not None:
+            return f"the target {reason}"
+        overlapped = extents.add(target, f"target {label}")
+    return None if overlapped is None else f"the target overlaps {overlapped}"
