@@ -87,24 +87,31 @@ def test_order_is_prepended_built_in_plugins_then_code_whenever_registered(
 
 def test_a_handle_removes_its_adopter_once_even_from_many_threads() -> None:
     """A handle removed from 8 threads at once raises nowhere (PyTorch's handle checks, then
-    deletes) and leaves the other registrations alone; a stale handle is harmless."""
-    registry = registry_of(DecliningAdopter("kept"))
-    handle = registry.register(DecliningAdopter("removed"))
+    deletes: threads switching between the two raised KeyError before), 200 times, with threads
+    switching as often as possible; a stale handle leaves a new registration alone."""
     errors: List[BaseException] = []
-    barrier = threading.Barrier(8)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(200):
+            registry = registry_of(DecliningAdopter("kept"))
+            handle = registry.register(DecliningAdopter("removed"))
+            barrier = threading.Barrier(8)
 
-    def remove() -> None:
-        barrier.wait()
-        try:
-            handle.remove()
-        except BaseException as error:  # collected for the assertion
-            errors.append(error)
+            def remove() -> None:
+                barrier.wait()
+                try:
+                    handle.remove()
+                except BaseException as error:  # collected for the assertion
+                    errors.append(error)
 
-    threads = [threading.Thread(target=remove) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+            threads = [threading.Thread(target=remove) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert errors == [] and _names(registry) == ["kept"]
     registry.register(DecliningAdopter("removed"))
     handle.remove()  # stale: the new registration stays
