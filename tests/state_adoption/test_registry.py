@@ -1,12 +1,10 @@
-"""The registry: order, prepend, handles, names, threads, plugins, outcome hooks, strictness and
-the environment switch.
+"""The registry: order, prepend, handles, names, threads, plugins, outcome hooks, strictness.
 
 Plugins are real installed distributions (``install_plugin`` in conftest.py) in a group of the
 test's own, so that the plugins installed in the environment stay out of the way.
 """
 
 import logging
-import subprocess
 import sys
 import textwrap
 import threading
@@ -285,31 +283,3 @@ def test_a_fallback_is_logged_on_every_rank(monkeypatch: pytest.MonkeyPatch, cap
     with caplog.at_level(logging.INFO, logger=LOGGER):
         registry.fall_back("an adopter failed")
     assert [r.getMessage() for r in caplog.records] == ["Optimizer state adoption: an adopter failed"]
-
-
-@pytest.mark.parametrize(
-    "value, off, warned",
-    [(" Yes ", True, False), ("0", False, False), ("ture", True, True)],
-)  # fmt: skip
-def test_the_environment_switch_is_read_once_at_import(value: str, off: bool, warned: bool) -> None:
-    """Read when the package is imported (a fresh interpreter here), never per call: setting it
-    later changes nothing; an unrecognised value switches adoption off with a warning."""
-    script = textwrap.dedent(
-        """
-        import logging, os, sys, warnings
-        warnings.simplefilter("ignore")
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s", stream=sys.stdout)
-        from megatron.core.optimizer.state_adoption import default_registry
-        before = default_registry().disabled_reason
-        os.environ["MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"] = "1"
-        print("REASON", before, default_registry().disabled_reason == before)
-        """
-    )
-    env = {"MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION": value, "PATH": "/usr/bin:/bin"}
-    output = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    reason_line = [line for line in output.splitlines() if line.startswith("REASON")][0]
-    assert reason_line.endswith("True")
-    assert ("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=" in reason_line) is off
-    assert ("switched off to be safe" in output) is warned

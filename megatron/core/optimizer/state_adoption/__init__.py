@@ -6,8 +6,7 @@ optimizer's own code, which runs unchanged otherwise. Built in and registered: t
 ``te_fused_adam_fp32`` adopter, which installs Transformer Engine FusedAdam's FP32 moments by
 reference instead of as a second copy (8 bytes per parameter at the load peak). Built in and
 opt-in: :class:`TEFusedAdamPrecisionAwareStateAdopter`. ``OptimizerConfig.optimizer_state_adoption
-= False`` switches adoption off (for the drop-in build also
-``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1``, read once); see docs/user-guide.md.
+= False`` switches adoption off.
 """
 
 from .adopter import AdoptionContext, StateAdopter

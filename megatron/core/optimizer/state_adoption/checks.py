@@ -1,9 +1,8 @@
 """Side-effect-free checks of incoming, installed, exported, initialized and read-target state.
 
-Each check returns None when its rule holds and a human-readable reason otherwise. Adopters
-chain them in their ``decline_reason``; the dispatcher applies the result checks to every
-adopter's work. Tensors are compared by the bytes they cover in their storage (``Extents``), so
-views, aliases and overlaps are found whatever Python objects hold them.
+Each returns None when its rule holds, else a reason. Adopters chain them in their checks; the
+dispatcher applies the result checks to every adopter's work. Tensors are compared by the bytes
+they cover in their storage, so views, aliases and overlaps are found whoever holds them.
 """
 
 import bisect
@@ -92,16 +91,7 @@ class Extents:
 
 
 def owner_problem(context: Any, precision_aware: bool) -> Optional[str]:
-    """Decline stub and CPU-offloaded owners, and the other precision mode.
-
-    Args:
-        context (AdoptionContext): the context.
-        precision_aware (bool): whether the adopter requires ``use_precision_aware_optimizer``
-            (True) or requires it off (False).
-
-    Returns:
-        Optional[str]: None if the owner's mode fits.
-    """
+    """Decline stub and CPU-offloaded owners, and the other precision mode than the adopter's."""
     config = context.config
     if context.is_stub_optimizer:
         return "the owner is a stub optimizer"
@@ -174,6 +164,17 @@ def paired_state(
         yield index, param, state_dict["state"].get(state_id, _MISSING)
 
 
+def held_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """PyTorch's state dict of ``optimizer`` (no hooks run): its groups, and the held entries."""
+    ids = {id(param): index for index, param in enumerate(params_of(optimizer))}
+    groups = [
+        {**group, "params": [ids[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    state = {ids[id(p)]: dict(entry) for p, entry in optimizer.state.items() if id(p) in ids}
+    return {"state": state, "param_groups": groups}
+
+
 def held_extents(optimizer: torch.optim.Optimizer) -> Extents:
     """The parameters' and the held state tensors' ranges, labelled by parameter and key."""
     extents = Extents()
@@ -191,21 +192,10 @@ def incoming_state_problem(
     param_problem: Callable[[torch.Tensor], Optional[str]],
     expected: Callable[[torch.Tensor], ExpectedState],
 ) -> Optional[str]:
-    """Check groups, parameters and every incoming tensor for installing by reference.
-
-    Requires PyTorch's group validation; every parameter accepted by ``param_problem`` with one
-    incoming entry (none for an empty local shard) of exactly the keys of ``expected(param)``,
-    each tensor meeting :func:`tensor_problem`; no two tensors or a tensor and a parameter
-    overlapping; and, unless the call site owns the state dict, each tensor held already.
-
-    Args:
-        context (AdoptionContext): the context of a load.
-        param_problem (Callable): the adopter's rule for one parameter.
-        expected (Callable): the keys and dtypes accepted for one parameter.
-
-    Returns:
-        Optional[str]: None if everything can be installed by reference.
-    """
+    """Check a load's state dict for installing by reference: PyTorch's group validation; every
+    parameter accepted by ``param_problem`` with one entry (none for an empty local shard) of
+    exactly the keys of ``expected(param)``, each tensor meeting :func:`tensor_problem`, none
+    overlapping another or a parameter; each held already unless the call site owns the dict."""
     optimizer, state_dict = context.optimizer, context.state_dict
     reason = param_groups_problem(optimizer, state_dict)
     if reason is not None:
@@ -294,24 +284,11 @@ def installed_state_problem(
     held: Mapping[int, Mapping[str, Any]],
     owns_state_dict: bool,
 ) -> Optional[str]:
-    """Check an install against what every loader gets right.
-
-    The optimizer keeps its parameters in its groups and gets the state dict's hyper-parameters;
-    exactly the parameters the state dict has state for get state, with its keys (a None value
-    may be left out); each tensor is the incoming one (only if the call site owns the state
-    dict or the optimizer held it already), the one held before, or new memory, shaped and
-    placed as the incoming one.
-
-    Args:
-        optimizer (torch.optim.Optimizer): the inner optimizer after the install.
-        given (Mapping[str, Any]): the state dict's containers as they were before it.
-        params (List[List[Any]]): the optimizer's parameters before it, per group.
-        held (Mapping[int, Mapping[str, Any]]): the state held before it, by ``id(param)``.
-        owns_state_dict (bool): whether the call site owns the state dict's tensors.
-
-    Returns:
-        Optional[str]: None if the install keeps these rules, else the first it broke.
-    """
+    """Check an install against what every loader gets right: the parameters stay in their
+    groups, which get the state dict's hyper-parameters; exactly the parameters the state dict
+    has state for get state, with its keys (None values may be left out); each tensor is the
+    incoming one (if the call site owns it or it was held), the one held before (``held``, by
+    ``id(param)``), or new memory shaped and placed as the incoming one."""
     groups, flat = optimizer.param_groups, [param for group in params for param in group]
     if [len(g["params"]) for g in groups] != [len(p) for p in params] or any(
         a is not b for g, p in zip(groups, params) for a, b in zip(g["params"], p)
@@ -375,19 +352,9 @@ def _installed_tensor_problem(
 
 
 def exported_state_problem(optimizer: torch.optim.Optimizer, exported: Any) -> Optional[str]:
-    """Check that an export is PyTorch's state dict of the optimizer as it holds its state.
-
-    Exactly the keys ``state`` and ``param_groups``; the optimizer's groups in order with their
-    hyper-parameters and the ids PyTorch assigns; state for exactly the parameters holding
-    state, with the held keys, every tensor the held one itself and every other value equal.
-
-    Args:
-        optimizer (torch.optim.Optimizer): the inner optimizer.
-        exported (Any): what an adopter exported.
-
-    Returns:
-        Optional[str]: None if the export matches, else the first difference.
-    """
+    """Check that an export is PyTorch's state dict of the optimizer as it holds its state: the
+    groups with their hyper-parameters and PyTorch's ids; state for exactly the parameters that
+    hold state, with the held keys, each tensor the held one, each other value equal."""
     if not isinstance(exported, dict) or set(exported) != {"state", "param_groups"}:
         return "it is not a dict of exactly 'state' and 'param_groups'"
     groups, state = exported["param_groups"], exported["state"]
@@ -420,32 +387,12 @@ def exported_state_problem(optimizer: torch.optim.Optimizer, exported: Any) -> O
     return None
 
 
-def initialized_state_problem(
-    optimizer: torch.optim.Optimizer, params: List[List[Any]], groups: List[Dict[str, Any]]
-) -> Optional[str]:
-    """Check an initialization: the groups as captured except ``step``; state for every
-    parameter with a non-empty local shard and for nothing else.
-
-    Args:
-        optimizer (torch.optim.Optimizer): the inner optimizer after the initialization.
-        params (List[List[Any]]): its parameters before, per group.
-        groups (List[Dict[str, Any]]): its groups' entries before.
-
-    Returns:
-        Optional[str]: None if the initialization is complete.
-    """
-    for group, before, group_params in zip(optimizer.param_groups, groups, params):
-        if (
-            {k for k in group if k != "step"} != {k for k in before if k != "step"}
-            or any(group[k] is not v for k, v in before.items() if k not in ("step", "params"))
-            or [id(p) for p in group["params"]] != [id(p) for p in group_params]
-        ):
-            return "the param groups changed"
-    flat = [param for group in params for param in group]
-    known = {id(param) for param in flat}
+def initialized_state_problem(optimizer: torch.optim.Optimizer, params: List[Any]) -> Optional[str]:
+    """State for exactly the parameters (``params``) with a non-empty local shard."""
+    known = {id(param) for param in params}
     if any(id(key) not in known for key in optimizer.state):
         return "there is state for something that is no parameter of the optimizer"
-    for index, param in enumerate(flat):
+    for index, param in enumerate(params):
         entry = optimizer.state.get(param)
         if local(param).numel() > 0 and not (
             isinstance(entry, Mapping) and any(isinstance(v, torch.Tensor) for v in entry.values())
@@ -457,15 +404,10 @@ def initialized_state_problem(
 def read_target_problem(
     optimizer: Any, param: torch.Tensor, name: str, target: Any, extents: Extents, label: str
 ) -> Optional[str]:
-    """Check one read target; add its range to ``extents`` (held tensors, params, targets).
-
-    The target is either the held tensor of ``name`` itself, where reading into it is a plain
-    cast (BF16, FP32, int16 remainders), or new memory of the held shape and device in the dtype
-    ``get_unscaled_state`` returns (int16 for remainders, else FP32). It overlaps nothing else.
-
-    Returns:
-        Optional[str]: None if the checkpoint may be read into ``target``.
-    """
+    """Check one read target and add it to ``extents``: the held tensor of ``name`` itself where
+    reading into it is a plain cast (BF16, FP32, int16 remainders), or new memory of the held
+    shape and device in ``get_unscaled_state``'s dtype (int16 for remainders, else FP32); it
+    overlaps nothing else (``label``: ``"<name> of parameter <index>"``)."""
     entry = optimizer.state.get(param)
     held = entry.get(name) if isinstance(entry, Mapping) else None
     if not isinstance(held, torch.Tensor):

@@ -11,7 +11,6 @@ adopter handles the call, the own code runs exactly as upstream's line would.
 import enum
 import logging
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar, cast
 
 import torch
@@ -41,34 +40,13 @@ class HookPoint(enum.StrEnum):
     READ = "read"
 
 
-@dataclass(frozen=True)
-class _Gate:
-    check: str  # the adopter's check for this hook point
-    verb: str  # what an adopter does to the state here, for the logs
-    methods: Tuple[str, ...]  # upstream's calls, which run if set on the instance
-    hooks: Tuple[str, ...] = ()  # upstream's hook registries, which run if not empty
-
-
-GATES: Dict[HookPoint, _Gate] = {
-    HookPoint.LOAD: _Gate(
-        "decline_reason",
-        "installed",
-        ("load_state_dict",),
-        ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"),
-    ),
-    HookPoint.EXPORT: _Gate(
-        "export_decline_reason",
-        "exported",
-        ("state_dict",),
-        ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks"),
-    ),
-    HookPoint.INITIALIZE: _Gate(
-        "initialize_decline_reason",
-        "initialized",
-        ("step",),
-        ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"),
-    ),
-    HookPoint.READ: _Gate(
+# Per hook point: the adopter's check, what an adopter does there (for the logs), and the calls
+# upstream makes, which run themselves when set on the instance (hooks of the first one too).
+GATES: Dict[HookPoint, Tuple[str, str, Tuple[str, ...]]] = {
+    HookPoint.LOAD: ("decline_reason", "installed", ("load_state_dict",)),
+    HookPoint.EXPORT: ("export_decline_reason", "exported", ("state_dict",)),
+    HookPoint.INITIALIZE: ("initialize_decline_reason", "initialized", ("step",)),
+    HookPoint.READ: (
         "read_target_decline_reason",
         "supplied the read targets for",
         ("get_unscaled_state", "set_scaled_state"),
@@ -76,31 +54,27 @@ GATES: Dict[HookPoint, _Gate] = {
 }
 
 
-def gate_reason(point: HookPoint, owner: Any, registry: StateAdopterRegistry) -> Optional[str]:
+def gate_reason(point: HookPoint, owner: Any) -> Optional[str]:
     """Why the own code must run without asking any adopter, or None."""
-    if registry.disabled_reason is not None:
-        return registry.disabled_reason
     enabled = getattr(getattr(owner, "config", None), "optimizer_state_adoption", True)
     if enabled is not True:
         return f"OptimizerConfig.optimizer_state_adoption is {enabled!r}"
-    optimizer, gate = owner.optimizer, GATES[point]
-    name = type(optimizer).__name__
-    for method in gate.methods:
+    optimizer, methods = owner.optimizer, GATES[point][2]
+    for method in methods:
         if method in getattr(optimizer, "__dict__", {}):
-            return f"the {name} instance has its own {method}, which upstream calls"
-    hook_tables = [getattr(optimizer, hooks, None) for hooks in gate.hooks]
+            return f"the {type(optimizer).__name__} instance has its own {method}, which upstream calls"
+    kinds = () if point is HookPoint.READ else ("pre", "post")
+    hook_tables = [
+        getattr(optimizer, f"_optimizer_{methods[0]}_{kind}_hooks", None) for kind in kinds
+    ]
     if point is HookPoint.INITIALIZE:
         hook_tables += [
-            getattr(torch_optimizer, f"_global_optimizer_{kind}_hooks", None)
-            for kind in ("pre", "post")
+            getattr(torch_optimizer, f"_global_optimizer_{kind}_hooks", None) for kind in kinds
         ]
         if len(optimizer.state) > 0:
             return "the optimizer holds state already, which the own initialization steps"
-        if any(
-            getattr(p, attr, None) is not None
-            for p in params_of(optimizer)
-            for attr in ("grad", "decoupled_grad")
-        ):
+        params = params_of(optimizer)
+        if any(getattr(p, a, None) is not None for p in params for a in ("grad", "decoupled_grad")):
             return "a parameter has a gradient, which a step would apply"
     for hooks in hook_tables:
         if not isinstance(hooks, Mapping) or len(hooks) > 0:
@@ -126,16 +100,6 @@ def _tensors(state: Any) -> List[torch.Tensor]:
     return [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, list) else []
 
 
-class _StrongReference:
-    """Stands in for a weak reference to a tensor that has none."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def __call__(self) -> torch.Tensor:
-        return self._tensor
-
-
 class Existing:
     """The storages of the state tensors before a call, held weakly (the call may free them)."""
 
@@ -144,11 +108,7 @@ class Existing:
         for tensor in (t for state in states for t in _tensors(state)):
             place = extent(tensor)
             if place is not None:
-                try:
-                    reference: Callable[[], Any] = weakref.ref(tensor)
-                except TypeError:  # no weak references: held strongly
-                    reference = _StrongReference(tensor)
-                self._storages.append((reference, place[0]))
+                self._storages.append((weakref.ref(tensor), place[0]))
 
     def measure(self, state: Any) -> Tuple[int, int]:
         """(bytes in storage alive since before the call, bytes in new storage) of ``state``,
@@ -207,7 +167,6 @@ class Snapshot:
 
     Attributes:
         params (List[List[Any]]): the optimizer's parameters, per group.
-        groups (List[Dict[str, Any]]): its param groups' entries.
         held (Dict[int, Dict[str, Any]]): its state entries, by ``id(param)``.
         given (Any): the incoming dict with its containers copied (tensors shared).
     """
@@ -220,7 +179,6 @@ class Snapshot:
         )
         self._containers = _containers([optimizer.state, optimizer.param_groups, state_dict])
         self.params = [list(group["params"]) for group in optimizer.param_groups]
-        self.groups = [dict(group) for group in optimizer.param_groups]
         self.held = {id(key): dict(entry) for key, entry in optimizer.state.items()}
         self.given = _copy(state_dict)
         tensors = [v for e in self.held.values() for v in e.values() if isinstance(v, torch.Tensor)]
@@ -278,16 +236,18 @@ class Call:
         self.optimizer: torch.optim.Optimizer = owner.optimizer
         self.context = AdoptionContext.for_owner(owner, **fields)
         given = self.context.state_dict
-        self.existing = Existing(self.optimizer.state, given.get("state") if isinstance(given, Mapping) else None)
+        self.existing = Existing(
+            self.optimizer.state, given.get("state") if isinstance(given, Mapping) else None
+        )
         self.declines: List[Tuple[str, str]] = []
         self.finished = False
 
     def consult(self) -> Tuple[Optional[StateAdopter], str]:
         """The first adopter whose check accepts (each check must change nothing), or why none."""
-        reason = gate_reason(self.point, self.owner, self.registry)
+        reason = gate_reason(self.point, self.owner)
         if reason is not None:
             return None, reason
-        check = GATES[self.point].check
+        check = GATES[self.point][0]
         for adopter, _ in self.registry.registrations():
             snapshot = Snapshot(self.optimizer, self.context.state_dict)
             try:
@@ -361,8 +321,16 @@ class Call:
             self.point.value, describe(self.optimizer), adopter, method, reused, allocated,
             tuple(self.declines), reason or None, None if error is None else f"{type(error).__name__}: {error}",
         )  # fmt: skip
-        _log(outcome, GATES[self.point].verb)
+        _log(outcome, GATES[self.point][1])
         self.registry.report(outcome)
+
+
+def own_label(point: HookPoint, optimizer: torch.optim.Optimizer) -> str:
+    """What upstream's call resolves to, e.g. ``FusedAdam.load_state_dict``."""
+    method = GATES[point][2][0]
+    if method in getattr(optimizer, "__dict__", {}):
+        return f"{method} set on the {type(optimizer).__name__} instance"
+    return f"{type(optimizer).__name__}.{method}"
 
 
 def run(
@@ -372,8 +340,7 @@ def run(
     verify: Callable[[T, Snapshot], Optional[str]],
     own: Callable[[], T],
     *,
-    own_label: str,
-    measured: Callable[[T], Any],
+    own_name: Optional[str] = None,
     registry: Optional[StateAdopterRegistry] = None,
     **fields: Any,
 ) -> T:
@@ -383,29 +350,34 @@ def run(
         point (HookPoint): the hook point.
         owner (Any): the Megatron optimizer whose inner optimizer's state is handled.
         attempt (Callable): what the accepting adopter does; returns the call's result.
-        verify (Callable): the check of that result against the own code's; None if it holds.
+        verify (Callable): checks that result against the own code's; None if it holds.
         own (Callable): upstream's code.
-        own_label (str): names ``own`` in the outcome.
-        measured (Callable): the state of a result, measured for the outcome.
+        own_name (str, optional): names ``own`` in the outcome (default: upstream's method).
         registry (StateAdopterRegistry, optional): defaults to the process-wide registry.
-        **fields (Any): more fields of the adopters' context (the load's state dict).
+        **fields (Any): more fields of the adopters' context (a load's state dict).
 
     Returns:
         T: the adopter's verified result, or ``own()``'s.
     """
     call = Call(point, owner, registry, **fields)
     method, reason = None, "interrupted while consulting the adopters"
+
+    def state(result: Any) -> Any:  # what the outcome measures
+        if point is not HookPoint.EXPORT:
+            return call.optimizer.state
+        return result.get("state") if isinstance(result, Mapping) else None
+
     try:
         adopter, reason = call.consult()
         if adopter is not None:
             result, failure = call.attempt(adopter, lambda: attempt(adopter, call.context), verify)
             if failure is None:
-                call.finish(adopter=adopter.name, result=measured(result))
+                call.finish(adopter=adopter.name, result=state(result))
                 return cast(T, result)
             reason = failure
-        method = own_label
+        method = own_name or own_label(point, call.optimizer)
         own_result = own()
-        call.finish(method=method, reason=reason, result=measured(own_result))
+        call.finish(method=method, reason=reason, result=state(own_result))
         return own_result
     except BaseException as error:
         call.finish(method=method, reason=reason, error=error)
@@ -421,40 +393,21 @@ def _log(outcome: AdoptionOutcome, verb: str) -> None:
     """Log an outcome: declines at debug, the result at info (rank 0), errors on every rank."""
     for name, reason in outcome.declines:
         log_single_rank(
-            logger, logging.DEBUG, "Optimizer state adopter %r declined: %s", name, reason
+            logger, logging.DEBUG, f"Optimizer state adopter {name!r} declined: {reason}"
         )
     sizes = f"{_size(outcome.reused_bytes)} by reference, {_size(outcome.allocated_bytes)} newly allocated"
+    what = f"the state of {outcome.optimizer}"
     if outcome.error is not None:
         logger.warning(
-            "Optimizer state %s of %s raised: %s", outcome.hook_point, outcome.optimizer, outcome.error
+            f"Optimizer state {outcome.hook_point} of {outcome.optimizer} raised: {outcome.error}"
         )
     elif outcome.adopter is not None:
-        log_single_rank(
-            logger,
-            logging.INFO,
-            "Optimizer state adopter %r %s the state of %s: %s",
-            outcome.adopter,
-            verb,
-            outcome.optimizer,
-            sizes,
-        )
+        message = f"Optimizer state adopter {outcome.adopter!r} {verb} {what}: {sizes}"
+        log_single_rank(logger, logging.INFO, message)
         if outcome.allocated_bytes > 0 and outcome.hook_point in (HookPoint.LOAD, HookPoint.EXPORT):
-            logger.warning(
-                "Optimizer state adopter %r %s %s of new memory for %s instead of the tensors it was given",
-                outcome.adopter,
-                verb,
-                _size(outcome.allocated_bytes),
-                outcome.optimizer,
-            )
+            logger.warning(f"{message}: new memory instead of the tensors it was given")
     else:
         level = logging.INFO if outcome.hook_point == HookPoint.LOAD else logging.DEBUG
         log_single_rank(
-            logger,
-            level,
-            "%s %s the state of %s (%s): %s",
-            outcome.method,
-            verb,
-            outcome.optimizer,
-            outcome.fallback_reason,
-            sizes,
+            logger, level, f"{outcome.method} {verb} {what} ({outcome.fallback_reason}): {sizes}"
         )

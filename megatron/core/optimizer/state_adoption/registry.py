@@ -14,7 +14,6 @@ class) returning an adopter whose ``name`` is the entry point's name::
 
 import itertools
 import logging
-import os
 import re
 import threading
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ __all__ = ["StateAdopterRegistry", "default_registry"]
 logger = logging.getLogger(__name__)
 
 PLUGIN_GROUP = "megatron_core.optimizer_state_adopters"
-DISABLE_VARIABLE = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
 _PREPENDED, _BUILT_IN, _PLUGIN, _CODE = range(4)
 
@@ -65,19 +63,11 @@ class StateAdopterRegistry:
         strict (bool): whether every fallback -- an adopter that raises or whose result does not
             match, a plugin that does not load, an outcome hook that raises -- raises
             ``RuntimeError`` instead of being logged as a warning. Tests run strict.
-        disabled_reason (str, optional): why adoption is switched off for every optimizer.
         plugin_group (str, optional): the entry-point group :meth:`load_plugins` reads.
     """
 
-    def __init__(
-        self,
-        *,
-        strict: bool = False,
-        disabled_reason: Optional[str] = None,
-        plugin_group: Optional[str] = None,
-    ) -> None:
+    def __init__(self, *, strict: bool = False, plugin_group: Optional[str] = None) -> None:
         self.strict = strict
-        self.disabled_reason = disabled_reason
         self._plugin_group = plugin_group
         self._lock = threading.RLock()
         self._adopters = _Handles(self._lock)
@@ -194,25 +184,7 @@ class StateAdopterRegistry:
         return handle
 
 
-def _disabled_by_environment() -> Optional[str]:
-    """Read ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION`` once: why adoption is off, or None."""
-    raw = os.environ.get(DISABLE_VARIABLE)
-    value = (raw or "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return None
-    if value not in ("1", "true", "yes", "on"):
-        logger.warning(
-            "%s=%r is none of 1, true, yes, on or 0, false, no, off; optimizer state adoption "
-            "is switched off to be safe",
-            DISABLE_VARIABLE,
-            raw,
-        )
-    return f"{DISABLE_VARIABLE}={raw} is set"
-
-
-_DEFAULT_REGISTRY = StateAdopterRegistry(
-    disabled_reason=_disabled_by_environment(), plugin_group=PLUGIN_GROUP
-)
+_DEFAULT_REGISTRY = StateAdopterRegistry(plugin_group=PLUGIN_GROUP)
 
 
 def default_registry() -> StateAdopterRegistry:

@@ -1,33 +1,34 @@
 """Opt-in adopter for TE FusedAdam with BF16 moments (the precision-aware optimizer).
 
-Not registered by default (register it, or install a plugin that names it). A resume of a
-``dp_reshardable`` checkpoint allocates, over the held state (BF16 moments, FP32 master weights
-or int16 remainders: 6 bytes per parameter), an FP32 copy of each moment to read into, TE's FP32
-copies in ``state_dict()`` and a whole new state in TE's loader. This adopter, in each role:
+Not registered by default: register it, or install a plugin whose entry point names it. Over
+the held state (BF16 moments, master weights in FP32 or as int16 remainders: 6 bytes per
+parameter), a ``dp_reshardable`` resume allocates FP32 copies of the moments to read into, TE's
+FP32 copies in ``state_dict()`` and a whole new state in TE's loader. This adopter avoids each:
 
-* scaffold load (pass 1): installs MCore's freshly allocated state by reference, with the scale
-  of one TE's loader gives each BF16 state;
-* export: supplies PyTorch's state dict, the held tensors themselves (no FP32 copies);
-* read: supplies the held BF16 moments as read targets; ``torch_dist`` casts the checkpoint's
-  FP32 values into them in place, bit for bit TE's ``copy_(fp32.bfloat16())``;
-* payload load (pass 2): keeps the held tensors and stores TE's conversion of each FP32 value
-  into the BF16 tensor held already, in chunks.
+* scaffold load (pass 1): installs MCore's new state by reference, with TE's scales of one;
+* export: the held tensors themselves instead of FP32 copies;
+* read: the held BF16 moments are the read targets; ``torch_dist`` casts the checkpoint's FP32
+  values into them in place, bit for bit TE's ``copy_(fp32.bfloat16())``;
+* payload load (pass 2): keeps the held tensors, storing TE's conversion of FP32 values into
+  them in chunks.
 
-Anything it cannot prove equal to TE's result is declined: FP16/FP8 moments (TE scales them),
-non-FP32 master weights, DTensor or non-floating parameters, a held state TE would lay out
-otherwise, and an optimizer that has stepped (its held state may be trained state, which a read
-failing midway would leave half overwritten).
+It declines what it cannot prove equal to TE's result: FP16/FP8 moments (scaled), non-FP32
+master weights, non-plain or non-floating parameters, a held state laid out otherwise, and read
+targets once a group has stepped (a read failing midway would overwrite trained state).
 """
 
-from typing import Any, Dict, Optional
+from dataclasses import replace
+from functools import partial
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .adopter import AdoptionContext, StateAdopter
 from .checks import (
     ExpectedState,
-    Extents,
     first_problem,
+    held_extents,
+    held_state_dict,
     incoming_state_problem,
     owner_problem,
     paired_state,
@@ -38,7 +39,7 @@ from .checks import (
 )
 from .te_fused_adam import MOMENT_KEYS, fused_adam_problem
 
-__all__ = ["TEFusedAdamPrecisionAwareStateAdopter"]
+__all__: List[str] = []
 
 #: Elements converted at a time: bounds the transient of a BF16 store to 8 MiB.
 STORE_CHUNK_ELEMENTS = 1 << 22
@@ -61,24 +62,25 @@ class TEFusedAdamPrecisionAwareStateAdopter(StateAdopter):
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a payload to store into the held state, or a scaffold to install."""
         reason = self._mode_problem(context)
-        if reason is not None:
-            return reason
-        payload = self._payload_problem(context)
+        payload = reason or self._payload_problem(context)
         if payload is None:
             return None
-        scaffold = incoming_state_problem(
-            context, self._param_problem, lambda param: _expected(context.optimizer, param)
+        expected = partial(_expected, context.optimizer)
+        scaffold = reason or incoming_state_problem(context, self._param_problem, expected)
+        return (
+            None
+            if scaffold is None
+            else reason or f"no payload ({payload}), no scaffold ({scaffold})"
         )
-        if scaffold is None:
-            return None
-        return f"not a payload for the held state ({payload}); not a scaffold ({scaffold})"
 
     def adopt(self, context: AdoptionContext) -> None:
         """Install the scaffold by reference, or store the payload into the held tensors."""
         optimizer: Any = context.optimizer
         assert context.state_dict is not None
-        pairs = list(paired_state(optimizer, context.state_dict))
-        payload = self._payload_problem(context) is None
+        pairs, payload = (
+            list(paired_state(optimizer, context.state_dict)),
+            self._payload_problem(context) is None,
+        )
         held = {id(param): optimizer.state.get(param) for _, param, _ in pairs}
         # PyTorch's loader would cast master weights to the BF16 parameters' dtype: groups only.
         groups = list(context.state_dict["param_groups"])
@@ -88,40 +90,36 @@ class TEFusedAdamPrecisionAwareStateAdopter(StateAdopter):
                 optimizer.state[param] = held[id(param)]
                 for key, value in incoming.items():
                     _store_as_te_loads(value, held[id(param)][key])
-            else:
-                optimizer.state[param] = dict(incoming)
-                scales = optimizer._scales.setdefault(param, {})
-                for key in incoming:  # TE's _initialize_state gives every non-FP32 state a scale
-                    if optimizer.name_to_dtype_map[key] != torch.float32:
-                        scales[key] = torch.ones([1], dtype=torch.float32, device=param.device)
+                continue
+            optimizer.state[param] = dict(incoming)
+            for key in incoming:  # TE's _initialize_state gives every non-FP32 state a scale
+                if optimizer.name_to_dtype_map[key] != torch.float32:
+                    scale = torch.ones([1], dtype=torch.float32, device=param.device)
+                    optimizer._scales.setdefault(param, {})[key] = scale
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Accept a held state laid out as TE's loader leaves it, every scale one."""
+        """Accept a held state laid out as TE's loader leaves it, with scales of one."""
         return first_problem(
             lambda: self._mode_problem(context), lambda: self._held_problem(context)
         )
 
     def export_state_dict(self, context: AdoptionContext) -> Dict[str, Any]:
         """PyTorch's state dict of the FusedAdam: its groups and the held tensors themselves."""
-        state_dict: Dict[str, Any] = torch.optim.Optimizer.state_dict(context.optimizer)
-        state_dict["state"] = {key: dict(entry) for key, entry in state_dict["state"].items()}
-        return state_dict
+        return held_state_dict(context.optimizer)
 
     def read_target_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept what the export accepts, for an optimizer that has not stepped."""
-        for index, group in enumerate(context.optimizer.param_groups):
-            if group.get("step"):
-                return f"param group {index} has stepped: its state may be trained state"
+        if any(group.get("step") for group in context.optimizer.param_groups):
+            return "a param group has stepped: its held state may be trained state"
         return self.export_decline_reason(context)
 
     def read_target(self, context: AdoptionContext, param: torch.Tensor, name: str) -> torch.Tensor:
-        """The held BF16 moment itself; TE's own tensor (the held one) for master weights."""
+        """The held BF16 moment; for master weights TE's own target (the held tensor)."""
         optimizer: Any = context.optimizer
-        target: torch.Tensor = (
-            optimizer.state[param][name]
-            if name in MOMENT_KEYS
-            else optimizer.get_unscaled_state(param, name)
-        )
+        if name in MOMENT_KEYS:
+            moment: torch.Tensor = optimizer.state[param][name]
+            return moment
+        target: torch.Tensor = optimizer.get_unscaled_state(param, name)
         return target
 
     def _mode_problem(self, context: AdoptionContext) -> Optional[str]:
@@ -138,22 +136,16 @@ class TEFusedAdamPrecisionAwareStateAdopter(StateAdopter):
                 if not hasattr(optimizer, attribute):
                     return f"FusedAdam has no '{attribute}'"
             dtypes = optimizer.name_to_dtype_map
-            for key in MOMENT_KEYS:
-                if dtypes.get(key) is not torch.bfloat16:
-                    return (
-                        f"FusedAdam keeps {key} in {dtypes.get(key)}; only BF16 moments are adopted"
-                    )
+            wrong = [k for k in MOMENT_KEYS if dtypes.get(k) is not torch.bfloat16]
             if optimizer.master_weights and dtypes.get("master_param") is not torch.float32:
-                return f"FusedAdam keeps master weights in {dtypes.get('master_param')}, not torch.float32"
-            return None
+                wrong.append("master_param")
+            return f"FusedAdam keeps {wrong[0]} in {dtypes.get(wrong[0])}" if wrong else None
 
         return first_problem(
             lambda: owner_problem(context, precision_aware=True),
             lambda: fused_adam_problem(optimizer, self._fused_adam_class),
             settings_problem,
-            lambda: next(
-                filter(None, (self._param_problem(p) for p in params_of(optimizer))), None
-            ),
+            lambda: next(filter(None, map(self._param_problem, params_of(optimizer))), None),
         )
 
     def _param_problem(self, param: torch.Tensor) -> Optional[str]:
@@ -165,46 +157,36 @@ class TEFusedAdamPrecisionAwareStateAdopter(StateAdopter):
         return None
 
     def _held_problem(self, context: AdoptionContext) -> Optional[str]:
-        """Every parameter holds the state TE's loader lays out, with scales of one, no two
-        tensors overlapping."""
+        """Every parameter holds the state TE's loader lays out, each BF16 scale one."""
         optimizer: Any = context.optimizer
         if not optimizer.state:
             return "the optimizer holds no state yet"
-        extents = Extents()
+        held = replace(context, state_dict=held_state_dict(optimizer), owns_state_dict=False)
+        reason = incoming_state_problem(held, self._param_problem, partial(_expected, optimizer))
+        if reason is not None:
+            return f"the held state: {reason.replace('incoming ', '')}"
         for index, param in enumerate(params_of(optimizer)):
-            extents.add(param, f"parameter {index}")
-        for index, param in enumerate(params_of(optimizer)):
-            held, expected = optimizer.state.get(param), _expected(optimizer, param)
-            if not isinstance(held, dict) or set(held) != set(expected):
-                return (
-                    f"parameter {index}: the held state does not have the keys {sorted(expected)}"
-                )
-            for key, dtype in expected.items():
-                reason = tensor_problem(held[key], dtype, param)
-                overlapped = extents.add(held[key], f"held {key} of parameter {index}")
-                if reason is None and overlapped is not None:
-                    reason = f"overlaps {overlapped}"
-                scale = optimizer._scales.get(param, {}).get(key)
-                if reason is None and dtype == torch.bfloat16 and not _is_one(scale):
-                    reason = "has a scale other than one"
-                if reason is not None:
-                    return f"parameter {index}: held {key} {reason}"
+            scales = optimizer._scales.get(param, {})
+            for key, dtype in _expected(optimizer, param).items():
+                scale = scales.get(key)
+                if dtype == torch.bfloat16 and not (
+                    isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.item() == 1.0
+                ):
+                    return f"parameter {index}: the scale of held {key} is not one"
         return None
 
     def _payload_problem(self, context: AdoptionContext) -> Optional[str]:
-        """The incoming values can be stored into the held state: each the held tensor itself,
-        or an FP32 value for a BF16 state overlapping nothing held."""
-        optimizer, state_dict = context.optimizer, context.state_dict
-        reason = param_groups_problem(optimizer, state_dict) or self._held_problem(context)
+        """Each incoming value is the held tensor itself, or an FP32 value for a held BF16 state
+        overlapping nothing held."""
+        optimizer, given = context.optimizer, context.state_dict
+        reason = param_groups_problem(optimizer, given) or self._held_problem(context)
         if reason is not None:
             return reason
-        assert state_dict is not None
-        extents = Extents()
-        for index, param in enumerate(params_of(optimizer)):
-            extents.add(param, f"parameter {index}")
-            for key, value in optimizer.state[param].items():
-                extents.add(value, f"held {key} of parameter {index}")
-        for index, param, incoming in paired_state(optimizer, state_dict):
+        assert given is not None
+        if len(given["state"]) != len(params_of(optimizer)):
+            return "the incoming state does not hold exactly one entry per parameter"
+        extents = held_extents(optimizer)
+        for index, param, incoming in paired_state(optimizer, given):
             held = optimizer.state[param]
             if not isinstance(incoming, dict) or set(incoming) != set(held):
                 return f"parameter {index}: the incoming state does not have the held keys"
@@ -213,11 +195,9 @@ class TEFusedAdamPrecisionAwareStateAdopter(StateAdopter):
                     continue
                 reason = None if held[key].dtype == torch.bfloat16 else "is not the held tensor"
                 reason = reason or tensor_problem(value, torch.float32, param)
-                overlapped = extents.add(value, f"incoming {key}") if reason is None else None
+                overlapped = None if reason else extents.add(value, f"incoming {key}")
                 if reason or overlapped:
                     return f"parameter {index}: incoming {key} {reason or f'overlaps {overlapped}'}"
-        if len(state_dict["state"]) != len(params_of(optimizer)):
-            return "the incoming state does not hold exactly one entry per parameter"
         return None
 
 
@@ -230,22 +210,12 @@ def _expected(optimizer: Any, param: torch.Tensor) -> ExpectedState:
     return expected
 
 
-def _is_one(scale: Any) -> bool:
-    """Whether ``scale`` is TE's scale of one: one FP32 element equal to 1."""
-    return (
-        isinstance(scale, torch.Tensor)
-        and scale.dtype == torch.float32
-        and scale.numel() == 1
-        and scale.item() == 1.0
-    )
-
-
 def _store_as_te_loads(value: torch.Tensor, held: torch.Tensor) -> None:
     """Store ``value`` into ``held`` as TE's loader does: ``value.float().bfloat16()`` for a BF16
-    state (round to nearest even, NaNs made canonical), nothing for the held tensor of any other
-    dtype, in chunks of :data:`STORE_CHUNK_ELEMENTS`."""
+    state (round to nearest even, NaNs made canonical), in chunks; the held tensor of any other
+    dtype is ``value`` itself."""
     if held.dtype != torch.bfloat16:
-        return  # the held FP32 or int16 tensor itself
+        return
     flat_value, flat_held = value.reshape(-1), held.reshape(-1)
     for start in range(0, flat_held.numel(), STORE_CHUNK_ELEMENTS):
         end = start + STORE_CHUNK_ELEMENTS
