@@ -1,11 +1,15 @@
 """Build the Megatron-LM pull request for optimizer-state adoption as a ``git format-patch`` series.
 
-One source: everything in the series is produced from this repository's files.
+Nothing of the series is committed: one command builds it from this repository's files and a
+Megatron-LM snapshot into an ignored folder, byte for byte the same every time, and records in
+``upstream/series.json`` what it was built against (see upstream/README.md).
 
 * ``megatron/core/optimizer/state_adoption/*.py``  -> the subsystem, at the same path upstream
-  (Megatron-LM's copyright line is prepended, as its copyright check requires);
-* ``patches/*.patch``                              -> the call site in ``distrib_optimizer.py``
-  and the ``OptimizerConfig.optimizer_state_adoption`` field in ``optimizer_config.py``;
+  (Megatron-LM's copyright line is prepended, as its copyright check requires), exactly the
+  modules that exist here;
+* ``patches/*.patch``                              -> the hunks in ``distrib_optimizer.py`` and
+  ``optimizer.py`` (the call sites and the plugin loading) and the
+  ``OptimizerConfig.optimizer_state_adoption`` field in ``optimizer_config.py``;
 * the config field                                 -> its Megatron-LM argument
   (``--no-optimizer-state-adoption`` in ``megatron/training/arguments.py``), generated from the
   field our patch adds; ``training.py``'s ``get_megatron_optimizer_config`` is checked to copy
@@ -17,29 +21,28 @@ One source: everything in the series is produced from this repository's files.
   here plus the docs page's sections on why this is not in Transformer Engine and on the review
   of Megatron-LM PR 7288, re-wrapped for e-mail.
 
-The call site differs between Megatron-LM branches. Where the snapshot's
-``DistributedOptimizer.load_state_dict`` is the plain one (``main``), our patch's hunks are applied
-as they are (matched by content, not by line number). Where it has the chunked optimizer-state
-offloader's special case (``dev``: ``self._optimizer_state_offloader`` with
-``load_state_dict_without_device_cast``), the same hunks are applied only to the path without an
-offloader: the offloaded path keeps upstream's calls unchanged (see upstream/README.md). Tests that
-only make sense with the offloader (``*_offloader.py``) are added only there.
+Our hunks are carried by content, not by line number: a hunk's removed lines (an insertion's
+last leading context line) with the fewest context lines around them that occur exactly once in
+the snapshot's file, compared without indentation; the added lines are indented as much deeper
+as the snapshot indents the removed ones. Where the snapshot's ``DistributedOptimizer`` has the
+chunked optimizer-state offloader's special case (``dev``: ``self._optimizer_state_offloader``
+with ``load_state_dict_without_device_cast``), the export and the load are routed only on the path
+without an offloader: the offloaded path keeps upstream's calls (see upstream/README.md). Tests
+that only make sense with the offloader (``*_offloader.py``) are added only there.
 
-The config field is carried by content: it is inserted before the section that follows it in our
-patch (the ``Miscellaneous`` header), which must occur exactly once in ``class OptimizerConfig``.
-The argument goes right after the ``--optimizer`` argument in ``_add_training_args``, written in
-that file's style (``main``: the old hand-wrapped style, ``dev``: black). Every anchor is matched
-by content and the generator refuses (``SeriesError``) if one is missing or ambiguous.
+The config field is inserted before the section that follows it in our patch (the
+``Miscellaneous`` header), which must occur exactly once in ``class OptimizerConfig``. The
+argument goes right after the ``--optimizer`` argument in ``_add_training_args``, written in that
+file's style (``main``: the old hand-wrapped style, ``dev``: black). The generator refuses
+(``SeriesError``) an anchor that is missing or ambiguous.
 
 The series is reproducible byte for byte: fixed dates, ``--zero-commit``, no signature. The base
 commit holds only the snapshot files the series touches, which is all ``git format-patch`` reads.
 
 Usage::
 
-    python upstream/build_series.py build --git-dir MIRROR.git            # main and dev
-    python upstream/build_series.py build --git-dir MIRROR.git --branch dev
-    python upstream/build_series.py build --source-tree CHECKOUT --branch main --snapshot-commit SHA
-    python upstream/build_series.py check --git-dir MIRROR.git            # git apply --check
+    python upstream/build_series.py build --git-dir MIRROR.git    # -> build/upstream-series/<branch>/
+    python upstream/build_series.py check --git-dir MIRROR.git    # git apply --check of that build
 """
 
 from __future__ import annotations
@@ -56,16 +59,18 @@ import tempfile
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM_DIR = REPO_ROOT / "upstream"
 MANIFEST = UPSTREAM_DIR / "series.json"
+DEFAULT_OUT = REPO_ROOT / "build" / "upstream-series"
+"""Where ``build`` writes the series (``<branch>/*.patch``); ignored by git."""
 
 SUBSYSTEM = "megatron/core/optimizer/state_adoption"
 CALL_SITE = "megatron/core/optimizer/distrib_optimizer.py"
 NON_DISTRIBUTED_FILE = "megatron/core/optimizer/optimizer.py"
-"""Float16OptimizerWithFloat16Params and FP32Optimizer: their load_state_dict calls."""
+"""MegatronOptimizer (plugin loading), Float16OptimizerWithFloat16Params and FP32Optimizer."""
 CONFIG_FILE = "megatron/core/optimizer/optimizer_config.py"
 CONFIG_CLASS = "OptimizerConfig"
 ARGUMENTS_FILE = "megatron/training/arguments.py"
@@ -89,17 +94,6 @@ PYTHON_HEADER = "# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All right
 SERIES_DATE = "2026-11-29T12:00:00+00:00"
 """Author and committer date of every commit in the series (keeps the patches reproducible)."""
 
-FSDP_INITIALIZATION = "self._init_optimizer_states_with_dummy_values()"
-"""Megatron-FSDP's creation of the state a checkpoint is read into (a dummy step)."""
-FSDP_STATE_DICT_METHOD = "sharded_param_state_fsdp_dtensor"
-READ_TARGET_LINE = "tensors[k] = self.optimizer.get_unscaled_state(sharded_model_param, k)"
-"""The precision-aware read target of one state tensor (an FP32 copy upstream)."""
-READ_SCOPE_LINE = "state = self.get_parameter_state_dp_reshardable()"
-"""Where the dp_reshardable sharded state dict's tensors are made."""
-STORE_CALL = "self.optimizer.set_scaled_state("
-"""The precision-aware store of one read state tensor."""
-DIRECT_LOAD = re.compile(r"\s*self\.optimizer\.load_state_dict\(state_dict(\[optimizer_key\])?\)$")
-"""A line handing the given state dict (or its optimizer part) straight to the inner optimizer."""
 OFFLOADER_GUARD = "if self._optimizer_state_offloader is None:"
 OFFLOADER_LOADER = "self._optimizer_state_offloader.load_state_dict_without_device_cast("
 OFFLOADER_TEST_SUFFIX = "_offloader.py"
@@ -128,31 +122,18 @@ class Hunk:
 
     @property
     def kind(self) -> str:
-        """``import`` (pure insertion), ``export`` or ``load`` (which inner call it replaces),
-        ``direct_load``: one line handing the given state dict straight to the inner
-        optimizer (the Megatron-FSDP branch, the non-distributed optimizers), or
-        ``initialize``: Megatron-FSDP's creation of the state it loads into; ``read_target``,
-        ``read_scope`` and ``store``: the precision-aware read targets, the scope they are made
-        in, and the store of what was read."""
-        removed = "\n".join(self.removed)
-        if not self.removed:
-            return "import"
-        if len(self.removed) == 1 and DIRECT_LOAD.match(self.removed[0]):
-            return "direct_load"
-        if [line.strip() for line in self.removed] == [FSDP_INITIALIZATION]:
-            return "initialize"
-        stripped = [line.strip() for line in self.removed]
-        if stripped == [READ_TARGET_LINE]:
-            return "read_target"
-        if stripped == [READ_SCOPE_LINE]:
-            return "read_scope"
-        if len(stripped) == 1 and stripped[0].startswith(STORE_CALL):
-            return "store"
-        if "self.optimizer.load_state_dict(" in removed:
-            return "load"
-        if "self.optimizer.state_dict()" in removed:
+        """``insert`` (nothing removed), ``export`` (it replaces ``self.optimizer.state_dict()``),
+        ``load`` (it replaces a ``self.optimizer.load_state_dict(`` call written over several
+        lines: the assembled state of ``DistributedOptimizer.load_state_dict``) or ``replace``.
+        Only ``export`` and ``load`` differ where the snapshot has the offloader."""
+        code = [line for line in self.removed if not line.lstrip().startswith("#")]
+        if not code:
+            return "insert" if not self.removed else "replace"
+        if any("self.optimizer.state_dict()" in line for line in code):
             return "export"
-        raise SeriesError(f"unrecognised hunk in our patch: {self.removed!r}")
+        if len(code) > 1 and "self.optimizer.load_state_dict(" in code[0]:
+            return "load"
+        return "replace"
 
 
 def parse_hunks(patch_text: str, path: str, split_blocks: bool = False) -> List[Hunk]:
@@ -197,16 +178,7 @@ def parse_hunks(patch_text: str, path: str, split_blocks: bool = False) -> List[
     return hunks
 
 
-def patched_paths(patch_text: str) -> List[str]:
-    """The files a unified diff changes (its ``+++`` headers), in order."""
-    return [
-        line[4:].strip().removeprefix("b/")
-        for line in patch_text.splitlines()
-        if line.startswith("+++ ")
-    ]
-
-
-def _our_hunks(path: str) -> List[Hunk]:
+def our_hunks(path: str) -> List[Hunk]:
     """The hunks of ``patches/*.patch`` for ``path``, in patch order.
 
     Refuses a patch that changes a file the series does not know how to carry, so that a new
@@ -215,8 +187,9 @@ def _our_hunks(path: str) -> List[Hunk]:
     hunks: List[Hunk] = []
     for patch in sorted((REPO_ROOT / "patches").glob("*.patch")):
         text = patch.read_text()
-        for changed in patched_paths(text):
-            if changed not in PATCHED_FILES:
+        for line in text.splitlines():
+            changed = line[4:].strip().removeprefix("b/")
+            if line.startswith("+++ ") and changed not in PATCHED_FILES:
                 raise SeriesError(
                     f"patches/{patch.name} changes {changed}, which the series does not carry; "
                     "teach upstream/build_series.py where it goes"
@@ -227,43 +200,9 @@ def _our_hunks(path: str) -> List[Hunk]:
     return hunks
 
 
-def our_call_site_hunks() -> List[Hunk]:
-    """The hunks of ``patches/*.patch`` for the call site, in patch order."""
-    return _our_hunks(CALL_SITE)
-
-
-def our_non_distributed_hunks() -> List[Hunk]:
-    """The hunks of ``patches/*.patch`` for ``optimizer.py``, in patch order."""
-    return _our_hunks(NON_DISTRIBUTED_FILE)
-
-
-def our_config_hunks() -> List[Hunk]:
-    """The hunks of ``patches/*.patch`` for ``optimizer_config.py``, in patch order."""
-    return _our_hunks(CONFIG_FILE)
-
-
 # ---------------------------------------------------------------------------------------------
-# The call-site change
+# The call sites (distrib_optimizer.py, optimizer.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def _method_span(text: str, name: str) -> Tuple[int, int]:
-    """Character span of ``DistributedOptimizer.<name>`` (from its ``def`` to the next method)."""
-    start = text.find(f"\n    def {name}(")
-    if start < 0:
-        raise SeriesError(f"{CALL_SITE} has no method {name}")
-    end = text.find("\n    def ", start + 1)
-    return start, len(text) if end < 0 else end
-
-
-def _replace_once(text: str, old: str, new: str, where: Tuple[int, int], what: str) -> str:
-    """Replace the single occurrence of ``old`` inside ``text[where[0]:where[1]]``."""
-    start, end = where
-    count = text.count(old, start, end)
-    if count != 1:
-        raise SeriesError(f"{what}: expected exactly one match in the snapshot, found {count}")
-    index = text.index(old, start, end)
-    return text[:index] + new + text[index + len(old) :]
 
 
 def _block(lines: Sequence[str]) -> str:
@@ -282,170 +221,155 @@ def _indent(lines: Sequence[str], by: str = "    ") -> List[str]:
     return [by + line if line.strip() else line for line in lines]
 
 
-def _apply_import(text: str, hunk: Hunk) -> str:
-    anchor = hunk.before[-1]
-    span = (0, text.find("\nclass "))
-    return _replace_once(text, anchor + "\n", _block([anchor, *hunk.added]), span, "import")
+def _width(line: str) -> int:
+    return len(line) - len(line.lstrip())
 
 
-def _apply_plain(text: str, hunk: Hunk) -> str:
-    """Apply a replacement hunk as it is, inside ``load_state_dict``."""
-    return _replace_once(
-        text,
-        _block(hunk.removed),
-        _block(hunk.added),
-        _method_span(text, "load_state_dict"),
-        f"{hunk.kind} hunk",
-    )
+def locate(lines: Sequence[str], hunk: Hunk, path: str) -> Tuple[int, int]:
+    """Where ``hunk`` goes in a snapshot's ``lines``: (first, end) of its removed lines (for an
+    insertion, first == end: right after its last leading context line).
 
-
-def _apply_export_keeping_offloader(text: str, hunk: Hunk) -> str:
-    """Route the export only when no offloader is active; the offloaded path keeps upstream's call."""
-    comments, new_code = _split_comments(hunk.added)
-    old_comments, old_code = _split_comments(hunk.removed)
-    indent = re.match(r"\s*", old_code[0]).group(0)  # type: ignore[union-attr]
-    guarded = [
-        *comments,
-        indent + OFFLOADER_GUARD,
-        *_indent(new_code),
-        indent + "else:",
-        *_indent(old_code),
-    ]
-    return _replace_once(
-        text,
-        _block(hunk.removed),
-        _block(guarded),
-        _method_span(text, "load_state_dict"),
-        "export hunk (offloader variant)",
-    )
-
-
-def _apply_line(text: str, hunk: Hunk, where: Tuple[int, int]) -> str:
-    """Replace the one line inside ``where`` that is the hunk's removed line (compared without
-    indentation), keeping that line's indentation (on ``dev`` it sits inside the offloader's
-    guard, whose other branch stays as it is)."""
-    old, new = hunk.removed[0].strip(), hunk.added[0].strip()
-    start, end = where
-    lines = text[start:end].split("\n")
-    matches = [i for i, line in enumerate(lines) if line.strip() == old]
-    if len(matches) != 1:
-        raise SeriesError(
-            f"{hunk.kind} hunk {old!r}: expected exactly one match, found {len(matches)}"
-        )
-    line = lines[matches[0]]
-    lines[matches[0]] = line[: len(line) - len(line.lstrip())] + new
-    return text[:start] + "\n".join(lines) + text[end:]
-
-
-def _apply_lines(text: str, hunk: Hunk, where: Tuple[int, int]) -> str:
-    """Replace the one line inside ``where`` that is the hunk's removed line by its added lines,
-    each indented relative to that line as in our patch."""
-    old = hunk.removed[0]
-    start, end = where
-    lines = text[start:end].split("\n")
-    matches = [i for i, line in enumerate(lines) if line.strip() == old.strip()]
-    if len(matches) != 1:
-        raise SeriesError(
-            f"{hunk.kind} hunk {old.strip()!r}: expected exactly one match, found {len(matches)}"
-        )
-    found = lines[matches[0]]
-    shift = len(found) - len(found.lstrip()) - (len(old) - len(old.lstrip()))
-    if shift < 0:
-        raise SeriesError(f"{hunk.kind} hunk {old.strip()!r}: the snapshot indents it less")
-    lines[matches[0] : matches[0] + 1] = [" " * shift + line for line in hunk.added]
-    return text[:start] + "\n".join(lines) + text[end:]
-
-
-def change_non_distributed_optimizers(text: str, hunks: Sequence[Hunk]) -> str:
-    """Apply our hunks to a snapshot's ``optimizer.py``: the import, and the one inner
-    ``load_state_dict`` call of ``Float16OptimizerWithFloat16Params`` and of ``FP32Optimizer``
-    (each call line occurs once in the file)."""
-    for hunk in hunks:
-        if hunk.kind == "import":
-            text = _apply_import(text, hunk)
-        elif hunk.kind == "direct_load":
-            text = _apply_line(text, hunk, (0, len(text)))
+    Lines are compared without indentation. The removed lines must occur exactly once together
+    with the fewest context lines of the hunk around them (the nearest leading line first, then
+    alternately trailing and leading ones); every context line used must match.
+    """
+    stripped = [line.strip() for line in lines]
+    lead, trail = (0 if hunk.removed else 1), 0
+    while True:
+        block = [
+            line.strip()
+            for line in [
+                *hunk.before[len(hunk.before) - lead :],
+                *hunk.removed,
+                *hunk.after[:trail],
+            ]
+        ]
+        starts = [
+            i
+            for i in range(len(stripped) - len(block) + 1)
+            if stripped[i : i + len(block)] == block
+        ]
+        exhausted = lead >= len(hunk.before) and trail >= len(hunk.after)
+        if len(starts) == 1 or not starts or exhausted:
+            break
+        if trail >= len(hunk.after) or (lead <= trail and lead < len(hunk.before)):
+            lead += 1
         else:
-            raise SeriesError(f"{NON_DISTRIBUTED_FILE}: unexpected {hunk.kind} hunk")
-    ast.parse(text)
-    return text
+            trail += 1
+    if len(starts) != 1:
+        what = hunk.removed[:1] or hunk.before[-1:]
+        raise SeriesError(
+            f"{path}: {hunk.kind} hunk at {what!r}: found {len(starts)} times in the snapshot "
+            "with its context; expected exactly once"
+        )
+    return starts[0] + lead, starts[0] + lead + len(hunk.removed)
 
 
-def _new_callee(hunk: Hunk) -> str:
-    """Name of the function our patch calls instead of the inner optimizer's method."""
-    _, code = _split_comments(hunk.added)
-    match = re.match(r"\s*(?:[\w\[\]]+\s*=\s*|with\s+)?(\w+)\(", code[0])
-    if match is None:
-        raise SeriesError(f"cannot find the new call in {code[0]!r}")
-    return match.group(1)
+def _shifted(found: Sequence[str], hunk: Hunk, path: str) -> List[str]:
+    """The hunk's added lines, indented as much deeper as ``found`` (the snapshot's removed lines;
+    on ``dev`` a load may sit inside the offloader's guard) is than our removed lines."""
+    if not hunk.removed:
+        return list(hunk.added)
+    shift = _width(found[0]) - _width(hunk.removed[0])
+    if shift < 0 or any(
+        line != " " * shift + ours for line, ours in zip(found, hunk.removed) if ours.strip()
+    ):
+        raise SeriesError(f"{path}: {hunk.removed[0].strip()!r} is indented otherwise there")
+    return _indent(hunk.added, " " * shift)
 
 
-def _apply_load_keeping_offloader(text: str, hunk: Hunk) -> str:
-    """Route the load in the no-offloader branch; the offloader's branch stays as it is."""
-    span = _method_span(text, "load_state_dict")
-    body = text[span[0] : span[1]]
-    match = re.search(
+def _guarded_export(found: Sequence[str], hunk: Hunk, path: str) -> List[str]:
+    """Export through the subsystem only without an offloader; the offloaded path keeps
+    upstream's ``self.optimizer.state_dict()``."""
+    comments, code = _split_comments(_shifted(found, hunk, path))
+    indent = " " * _width(found[0])
+    return [*comments, indent + OFFLOADER_GUARD, *_indent(code), indent + "else:", *_indent(found)]
+
+
+def _offloader_load(text: str, hunk: Hunk) -> str:
+    """Route the load in the no-offloader branch of the snapshot's special case; the offloader's
+    branch stays as it is. Our call is the patch's, with the snapshot's variable for the dict."""
+    pattern = (
         r"\n(?P<i>[ ]+)# Optimizer\.\n"
         r"(?P=i)(?P<var>\w+) = (?P<value>\{[^\n]*\})\n"
         r"(?P=i)" + re.escape(OFFLOADER_GUARD) + r"\n"
-        r"(?P=i)    self\.optimizer\.load_state_dict\((?P=var)\)\n",
-        body,
+        r"(?P=i)    self\.optimizer\.load_state_dict\((?P=var)\)\n"
     )
-    if match is None:
-        raise SeriesError("load hunk: the offloader special case has an unknown shape")
+    matches = list(re.finditer(pattern, text))
+    if len(matches) != 1:
+        raise SeriesError(f"{CALL_SITE}: the offloader's load has an unknown shape")
+    (match,) = matches
     indent, var = match.group("i"), match.group("var")
-    comments, _ = _split_comments(hunk.added)
-    comments = [indent + c.strip() for c in comments] + [indent + DEV_LOAD_COMMENT]
-    new = _block(
-        [
-            "",
-            *comments,
-            f"{indent}{var} = {match.group('value')}",
-            indent + OFFLOADER_GUARD,
-            f"{indent}    {_new_callee(hunk)}(self, {var})",
-        ]
-    )
-    start = span[0] + match.start()
-    return text[:start] + new.rstrip("\n") + "\n" + text[start + len(match.group(0)) :]
+    comments, code = _split_comments(hunk.added)
+    call: Optional[ast.stmt] = None
+    for end in range(len(hunk.after) + 1):  # the call's closing lines may be context
+        try:
+            (call,) = ast.parse(textwrap.dedent(_block([*code, *hunk.after[:end]]))).body
+            break
+        except (SyntaxError, ValueError):
+            continue
+    if not (isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)):
+        raise SeriesError(f"{CALL_SITE}: our load hunk is not one call")
+    value = ast.dump(ast.parse(match.group("value"), mode="eval").body)
+    arguments = [ast.dump(argument) for argument in call.value.args]
+    if arguments.count(value) != 1:
+        raise SeriesError(f"{CALL_SITE}: our load call does not take the snapshot's dict")
+    call.value.args[arguments.index(value)] = ast.Name(var)
+    routed = f"{indent}    {ast.unparse(call)}"
+    if len(routed) > 100:
+        raise SeriesError(f"{CALL_SITE}: {routed.strip()!r} is longer than black allows")
+    new = [
+        "",
+        *(indent + line.strip() for line in [*comments, DEV_LOAD_COMMENT]),
+        f"{indent}{var} = {match.group('value')}",
+        indent + OFFLOADER_GUARD,
+        routed,
+    ]
+    return text[: match.start()] + _block(new) + text[match.end() :]
+
+
+def _method_span(text: str, name: str) -> Tuple[int, int]:
+    """Character span of the first method ``name`` (from its ``def`` to the next method)."""
+    start = text.find(f"\n    def {name}(")
+    if start < 0:
+        raise SeriesError(f"{CALL_SITE} has no method {name}")
+    end = text.find("\n    def ", start + 1)
+    return start, len(text) if end < 0 else end
 
 
 def has_offloader_special_case(text: str) -> bool:
-    """True if ``load_state_dict`` hands the inner state to the chunked offloader when it is set."""
+    """True if ``DistributedOptimizer.load_state_dict`` hands the inner state to the chunked
+    offloader when it is set."""
     start, end = _method_span(text, "load_state_dict")
     return OFFLOADER_LOADER in text[start:end]
 
 
-def change_call_site(text: str, hunks: Sequence[Hunk]) -> str:
-    """Apply our call-site hunks to a snapshot's ``distrib_optimizer.py``.
+def change_file(text: str, hunks: Sequence[Hunk], path: str, offloader: bool) -> str:
+    """Apply our hunks for ``path`` to the snapshot's ``text``.
 
     Args:
         text: the snapshot's file.
         hunks: our patch's hunks for it.
+        path: its path (for messages).
+        offloader: whether the snapshot's ``DistributedOptimizer`` has the offloader's special
+            case (then the export and the load are routed only without an offloader).
 
     Returns:
-        The changed file. Raises :class:`SeriesError` if an anchor is missing or ambiguous.
+        The changed file. Raises :class:`SeriesError` if a hunk's place is missing or ambiguous.
     """
-    offloader = has_offloader_special_case(text)
-    appliers: Dict[str, Callable[[str, Hunk], str]] = {
-        "import": _apply_import,
-        "export": _apply_export_keeping_offloader if offloader else _apply_plain,
-        "load": _apply_load_keeping_offloader if offloader else _apply_plain,
-        "direct_load": lambda t, h: _apply_line(t, h, _method_span(t, "load_state_dict")),
-        "initialize": lambda t, h: _apply_line(t, h, _method_span(t, FSDP_STATE_DICT_METHOD)),
-        "read_target": lambda t, h: _apply_line(
-            t, h, _method_span(t, "_get_main_param_and_optimizer_states")
-        ),
-        "store": lambda t, h: _apply_line(
-            t, h, _method_span(t, "_set_main_param_and_optimizer_states")
-        ),
-        "read_scope": lambda t, h: _apply_lines(
-            t, h, _method_span(t, "sharded_param_state_dp_reshardable")
-        ),
-    }
     for hunk in hunks:
-        text = appliers[hunk.kind](text, hunk)
+        if offloader and hunk.kind == "load":
+            text = _offloader_load(text, hunk)
+            continue
+        lines = text.split("\n")
+        first, end = locate(lines, hunk, path)
+        found = lines[first:end]
+        new = (_guarded_export if offloader and hunk.kind == "export" else _shifted)(
+            found, hunk, path
+        )
+        text = "\n".join([*lines[:first], *new, *lines[end:]])
     ast.parse(text)
-    if offloader:
+    if offloader and path == CALL_SITE:
         check_offloader_path_kept(text)
     return text
 
@@ -588,10 +512,11 @@ def change_optimizer_config(text: str, hunks: Sequence[Hunk]) -> str:
 
 
 ARGUMENT_HELP = (
-    "Always run the inner optimizer's own load_state_dict and state_dict while loading a "
-    "distributed-optimizer checkpoint. By default, registered state adopters "
-    "(megatron.core.optimizer.state_adoption) may install the loaded state, e.g. Transformer "
-    "Engine FusedAdam's FP32 moments by reference instead of as a second copy."
+    "Always run the inner optimizer's own code where Megatron Core hands it optimizer state "
+    "while loading a checkpoint (e.g. its load_state_dict and state_dict), and load no state "
+    "adopter plugins. By default, registered state adopters "
+    "(megatron.core.optimizer.state_adoption) may do that work, e.g. install Transformer Engine "
+    "FusedAdam's FP32 moments by reference instead of as a second copy."
 )
 """Help text of the Megatron-LM argument that switches state adoption off."""
 
@@ -864,132 +789,72 @@ def read_series_patch(text: str) -> List[FileDiff]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Commits and format-patch
+# Commits, cover letter and format-patch
 # ---------------------------------------------------------------------------------------------
 
 SUBSYSTEM_MESSAGE = """\
-Add an optimizer-state adoption registry for DistributedOptimizer
+Add optimizer-state adoption to Megatron Core
 
-Add megatron.core.optimizer.state_adoption: a registry of state adopters
-that DistributedOptimizer can consult when it loads its inner
-optimizer's state, and of state exporters for the inner state dict it
-reads back. The first adopter that accepts installs the state;
-otherwise the inner optimizer's own load_state_dict (state_dict) runs
-unchanged.
+Add megatron.core.optimizer.state_adoption. Where a Megatron optimizer
+hands its inner optimizer's state to the inner optimizer's own code
+while loading a checkpoint, the first registered state adopter that
+accepts does that work instead; otherwise the own code runs unchanged.
 
-The loader, not each adopter, enforces the rules that keep this safe.
-The own method runs, exactly once and without asking any adopter, when
-adoption is switched off, when the optimizer instance carries its own
-method (a wrapper), or when load_state_dict (state_dict) pre- or
-post-hooks are registered or the hook registries cannot be inspected,
-so every hook runs as often as before. A check that raises counts as a
-decline. An adoption that raises, or that leaves the optimizer as no
-loader would (checked after every install), is rolled back (the
-captured state and param_groups are assigned back) and the own loader
-runs on an untouched copy of the incoming containers. An export is
-checked against the state the optimizer holds before it is used.
+A StateAdopter has a unique name, one required role and three optional
+ones, each a side-effect-free check (None to accept, a reason to
+decline) and an action: load (install a {"state", "param_groups"} dict
+instead of load_state_dict), export (the state dict as the optimizer
+holds it instead of state_dict()'s copies), initialize (the optimizer's
+own step() without gradients creates the state a checkpoint is read
+into, instead of Megatron-FSDP's dummy step on zero gradients) and read
+(the tensors a precision-aware dp_reshardable checkpoint is read into,
+instead of get_unscaled_state's FP32 copies). An AdoptionContext tells
+it the inner optimizer, the owner's configs and, for a load, the state
+dict and whether the call site owns it (only then may tensors the
+optimizer does not hold yet be installed by reference).
 
-Every call ends in a StateAdoptionOutcome, also when the own method
-raises, handed to the hooks registered with register_outcome_hook. Its
-byte counts are measured after the call from storage identity
-(reused_bytes: installed by reference, allocated_bytes: newly
-allocated), so a PyTorch loader that starts copying shows up there and
-in a warning.
+One dispatcher enforces the rules that keep this safe, at every hook
+point. The own code runs, without asking any adopter, when adoption is
+switched off (OptimizerConfig.optimizer_state_adoption, added in the
+next commit), when the optimizer instance carries the method itself (a
+wrapper), or when hooks that the method runs are registered or cannot
+be inspected, so every hook runs as often as before. A check that
+raises, or changes the optimizer, is a decline. An action that raises,
+or whose result is not what the own code would give (checked after
+every action), is undone and the own code runs. Every call ends in
+exactly one AdoptionOutcome, also when the own code raises, handed to
+the registry's outcome hooks; its byte counts are measured after the
+call from storage identity (reused_bytes: installed by reference,
+allocated_bytes: newly allocated).
 
-The default adopter, te_fused_adam_fp32, covers Transformer Engine's
+A StateAdopterRegistry holds uniquely named adopters in a fixed order
+(built-in, plugins by entry-point name, then code registrations;
+prepend=True before all) and returns RemovableHandles. A strict
+registry, as in tests, raises RuntimeError for every fallback instead
+of logging a warning. default_registry() is the process-wide registry
+Megatron Core's optimizers consult; installed plugins (entry-point group
+megatron_core.optimizer_state_adopters) are loaded into it once, when an
+optimizer is constructed.
+
+Built in and registered: te_fused_adam_fp32, for Transformer Engine's
 FusedAdam with FP32 moments and no master weights or parameter
-remainders, read from the instance (name_to_dtype_map, master_weights,
-store_param_remainders). There FusedAdam.load_state_dict allocates a
-second copy of both moments while the caller still holds the incoming
-ones (8 bytes per parameter of transient memory on every resume); the
-adopter installs the incoming tensors by reference through PyTorch's
-loader instead. Every other configuration keeps FusedAdam's loader.
-
-Third-party adopters are registered in code (register_state_adopter; a
-StateAdopterRegistry passed as registry= gives tests an isolated one)
-or through the entry-point group megatron_core.optimizer_state_adopters.
-They are tried in a fixed order: built-in, entry points by name, code
-registrations, with prepend=True before all. The switch is
-OptimizerConfig.optimizer_state_adoption, added later in this series;
-MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1 and
-MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS=name,... override it for a run.
-"""
-
-CALL_SITE_SUBJECT = "Route inner-optimizer state loads through state adoption\n\n"
-CALL_SITE_BODY = {
-    ("direct_load", "export", "initialize", "load", "read_scope", "read_target", "store"): """\
-Every place where Megatron Core hands loaded optimizer state to the
-inner optimizer now goes through the state-adoption registry:
-
-- DistributedOptimizer.load_state_dict reads the inner optimizer's
-  state with export_inner_optimizer_state_dict(self) and installs the
-  assembled state with load_inner_optimizer_state_dict(self, ...);
-- its Megatron-FSDP branch (fsdp_dtensor checkpoints) installs the
-  loaded DTensor state with load_inner_optimizer_state_dict(self, ...),
-  and sharded_param_state_fsdp_dtensor creates the state the checkpoint
-  is read into with initialize_inner_optimizer_state(self, ...), which
-  runs the dummy step unless an initializer creates the state without
-  its zero gradients;
-- with the precision-aware optimizer, sharded_param_state_dp_reshardable
-  builds the tensors a checkpoint is read into inside
-  reading_optimizer_state(self, is_loading): each comes from
-  unscaled_state_or_read_target(self, ...), which is get_unscaled_state
-  unless a read-target provider supplies the held tensor itself, and
-  _set_main_param_and_optimizer_states stores what was read with
-  store_read_optimizer_state(self, ...), which leaves a tensor read in
-  place as it is and otherwise calls set_scaled_state;
-- Float16OptimizerWithFloat16Params and FP32Optimizer (without the
-  distributed optimizer) do the same in their load_state_dict.
-
-With no adopter accepting, each call does exactly what the direct call
-did. Each call site is one small hunk; the logic stays in the subsystem.
-""",
-    ("load",): """\
-DistributedOptimizer.load_state_dict now installs the assembled inner
-state with load_inner_optimizer_state_dict(self, ...) instead of calling
-the inner optimizer's load_state_dict() directly. With no adopter
-accepting, it does exactly what the direct call did. The Megatron-FSDP
-path is unchanged.
-""",
-    ("export", "load"): """\
-DistributedOptimizer.load_state_dict now reads the inner optimizer's
-state with export_inner_optimizer_state_dict(self) and installs the
-assembled state with load_inner_optimizer_state_dict(self, ...), instead
-of calling the inner optimizer's state_dict() and load_state_dict()
-directly. With no adopter accepting, both do exactly what the direct
-calls did. The Megatron-FSDP path is unchanged.
-""",
-}
-
-
-def call_site_message(hunks: Sequence[Hunk], offloader: bool) -> str:
-    """The call-site commit message for the calls our patch actually replaces."""
-    kinds = tuple(sorted({h.kind for h in hunks} - {"import"}))
-    if kinds not in CALL_SITE_BODY:
-        raise SeriesError(f"no commit message for a call-site change of kinds {kinds}")
-    return (
-        CALL_SITE_SUBJECT
-        + CALL_SITE_BODY[kinds]
-        + (CALL_SITE_MESSAGE_OFFLOADER if offloader else "")
-    )
-
-
-CALL_SITE_MESSAGE_OFFLOADER = """
-With chunked optimizer-state offload (self._optimizer_state_offloader),
-load_state_dict keeps making upstream's calls (the inner optimizer's
-state_dict() and the offloader's load_state_dict_without_device_cast())
-exactly as before: the offloader's loader is part of the offload
-mechanism, not an optional memory optimisation, so it is never subject
-to adoption, the kill switch or a fallback.
+remainders (read from the instance). There FusedAdam.load_state_dict
+allocates a second copy of both moments while the caller still holds
+the incoming ones, 8 bytes per parameter of transient memory on every
+resume; the adopter installs the incoming tensors by reference through
+PyTorch's loader instead. Built in and opt-in:
+TEFusedAdamPrecisionAwareStateAdopter, for FusedAdam with BF16 moments
+(the precision-aware optimizer), which loads, exports and reads the
+held state without FP32 copies.
 """
 
 CONFIG_MESSAGE = """\
 Add an OptimizerConfig switch for optimizer state adoption
 
 Add OptimizerConfig.optimizer_state_adoption (default True). When it is
-False, DistributedOptimizer's loads and reads of its inner optimizer's
-state always run the inner optimizer's own load_state_dict and
-state_dict; no adopter or exporter is consulted.
+False, the optimizer's state adoption hook points (the next commit)
+always run the inner optimizer's own code and consult no adopter, and
+the optimizer does not load adopter plugins.
 
 Megatron-LM: --no-optimizer-state-adoption sets it to False. It sits
 with the optimizer arguments in _add_training_args;
@@ -997,24 +862,71 @@ get_megatron_optimizer_config copies every OptimizerConfig field from
 the arguments by name, so training.py needs no change.
 """
 
+CALL_SITE_MESSAGE = """\
+Route inner-optimizer state loads through state adoption
+
+Every place where Megatron Core hands loaded optimizer state to the
+inner optimizer's own code now goes through a state-adoption hook point:
+
+- DistributedOptimizer.load_state_dict reads the inner optimizer's
+  state with export_inner_optimizer_state_dict(self) and installs the
+  state it assembled with load_inner_optimizer_state_dict(self, ...,
+  owns_state_dict=True): it built that dict from the tensors just read,
+  so an adopter may install them by reference;
+- its Megatron-FSDP branch (fsdp_dtensor checkpoints) installs the
+  loaded DTensor state with load_inner_optimizer_state_dict(self, ...),
+  and sharded_param_state_fsdp_dtensor creates the state the checkpoint
+  is read into with initialize_inner_optimizer_state(self, ...), which
+  runs the dummy step unless an adopter accepts that the optimizer's
+  own step() without gradients creates that state;
+- with the precision-aware optimizer, sharded_param_state_dp_reshardable
+  builds the tensors a checkpoint is read into inside
+  reading_optimizer_state(self, is_loading): each comes from
+  unscaled_state_or_read_target(self, ...), which is get_unscaled_state
+  unless an adopter supplies the held tensor itself, and
+  _set_main_param_and_optimizer_states stores what was read with
+  store_read_optimizer_state(self, ...), which leaves a tensor read in
+  place as it is and otherwise calls set_scaled_state;
+- Float16OptimizerWithFloat16Params and FP32Optimizer (without the
+  distributed optimizer) install their loaded state with
+  load_inner_optimizer_state_dict(self, ...).
+
+MegatronOptimizer.__init__ loads the installed adopter plugins once,
+with default_registry().load_plugins(), when
+config.optimizer_state_adoption is set.
+
+With no adopter accepting, each call does exactly what the direct call
+did. Each call site is one small hunk; the logic stays in the subsystem.
+"""
+
+CALL_SITE_MESSAGE_OFFLOADER = """
+With chunked optimizer-state offload (self._optimizer_state_offloader),
+load_state_dict keeps making upstream's calls (the inner optimizer's
+state_dict() and the offloader's load_state_dict_without_device_cast())
+exactly as before: the offloader's loader is part of the offload
+mechanism, not an optional memory optimisation, so it is never subject
+to adoption, the switch or a fallback.
+"""
+
 TESTS_MESSAGE = """\
 Add unit tests for optimizer state adoption
 
-Cover the registry (unique and well-formed names, order, prepend,
-handles, isolated registries, disabling by name, the kill switch, the
-OptimizerConfig switch and its Megatron-LM argument, outcome hooks),
-the loader's central rules (an instance-level load_state_dict and
-registered load hooks run exactly once, without asking adopters), the
-measured outcome (bytes installed by reference or newly allocated,
-which pins PyTorch's by-reference install on CPU), fail-safety (a
-raising check declines; a raising adoption, or one that installs
-nothing, is rolled back and the optimizer's own loader runs; a
-malformed export is not used; an own loader that raises is reported
-and re-raised), the default adopter with
-Transformer Engine's FusedAdam, a DistributedOptimizer save and load
-through dist_checkpointing with bitwise-equal state, and the other call
-sites: Megatron-FSDP's load and state creation, and the load of
-Float16OptimizerWithFloat16Params and FP32Optimizer.
+Cover the registry (the built-in adopter, unique and well-formed names,
+order and prepend, handles, plugins loaded once in entry-point name
+order and skipped when broken, strict registries), the switches (the
+OptimizerConfig field and its Megatron-LM argument), the dispatcher's
+rules (an instance-level method and registered hooks run as upstream,
+without asking adopters; a raising check declines; a raising adoption,
+or one that installs nothing, is undone and the own loader runs; a
+malformed export is not used; an own loader that raises is reported and
+re-raised), the measured outcome (bytes installed by reference or newly
+allocated, which pins PyTorch's by-reference install on CPU), every
+call site (DistributedOptimizer's load and export, its Megatron-FSDP
+load and state creation, the loads of Float16OptimizerWithFloat16Params
+and FP32Optimizer, the plugin loading in MegatronOptimizer.__init__),
+and, with Transformer Engine on CUDA, the built-in adopter and a
+DistributedOptimizer save and load through dist_checkpointing with
+bitwise-equal state.
 """
 
 TESTS_MESSAGE_OFFLOADER = """
@@ -1026,33 +938,39 @@ state it received before.
 DOCS_MESSAGE = """\
 Document optimizer state adoption in the API guide
 
-Add an API guide page on what state adoption does, when the default
-adopter applies, what the loader guarantees, how to observe loads, how
-to write, register and test an adopter, how to switch adoption off, and
-why this lives in Megatron Core rather than in Transformer Engine.
+Add an API guide page on what state adoption does, the built-in
+adopters, what the dispatcher guarantees, how to observe loads, how to
+write, register, ship as a plugin and test an adopter, how to switch
+adoption off, and why this lives in Megatron Core rather than in
+Transformer Engine.
 """
 
-COVER_SUBJECT = "Optimizer-state adoption for DistributedOptimizer checkpoint loading"
+COVER_SUBJECT = "Optimizer-state adoption for Megatron Core checkpoint loading"
 
 COVER_INTRO = """\
 When a Megatron optimizer with Transformer Engine's FusedAdam resumes
 from a checkpoint, FusedAdam.load_state_dict allocates a second copy of
 both Adam moments while the caller still holds the incoming ones: a
 transient 8 bytes per parameter on every rank. This series lets
-DistributedOptimizer (with or without Megatron-FSDP) and the
-non-distributed optimizers hand the loaded inner state to registered
-state adopters; the default one installs FP32 moments by reference
-through PyTorch's loader instead. Every other configuration, and every
-case the loader cannot prove safe, runs the inner optimizer's own
-load_state_dict exactly as today.
+Megatron Core's optimizers hand the loaded inner state to registered
+state adopters; the built-in one installs FP32 moments by reference
+through PyTorch's loader where DistributedOptimizer assembled the state
+itself. Every other configuration, and every case the dispatcher cannot
+prove safe, runs the inner optimizer's own code exactly as today.
+Adoption is on by default and switched off with
+OptimizerConfig.optimizer_state_adoption = False
+(--no-optimizer-state-adoption).
 
-1. the subsystem (megatron/core/optimizer/state_adoption/);
-2. the call sites: one import and one small hunk per call in
-   DistributedOptimizer.load_state_dict (both branches, Megatron-FSDP
-   included) and in the load_state_dict of
-   Float16OptimizerWithFloat16Params and FP32Optimizer;
-3. the switch: OptimizerConfig.optimizer_state_adoption and
+1. the subsystem (megatron/core/optimizer/state_adoption/): the
+   StateAdopter interface, the dispatcher, the registry with its
+   plugins, the built-in adopters;
+2. the switch: OptimizerConfig.optimizer_state_adoption and
    --no-optimizer-state-adoption;
+3. the call sites: one import and one small hunk per call in
+   DistributedOptimizer (its load, export, Megatron-FSDP and
+   precision-aware paths) and in the load_state_dict of
+   Float16OptimizerWithFloat16Params and FP32Optimizer, and the plugin
+   loading in MegatronOptimizer.__init__;
 4. unit tests (tests/unit_tests/optimizer/test_state_adoption.py);
 5. the API guide page (docs/api-guide/core/optimizer_state_adoption.md).
 """
@@ -1163,57 +1081,47 @@ class Snapshot:
     branch: str
     commit: str
     files: Dict[str, str]
-    checked: Dict[str, str] = field(default_factory=dict)
+    checked: Dict[str, str]
 
     @classmethod
     def from_git_dir(cls, git_dir: Path, branch: str, commit: Optional[str] = None) -> "Snapshot":
-        """Read the files of ``commit`` (default: the tip of ``branch``) from a bare clone."""
-        if commit is None:
-            commit = _git(git_dir, "rev-parse", f"refs/heads/{branch}^{{commit}}").strip()
+        """Read the files of ``commit`` (any revision; default: the tip of ``branch``)."""
+        revision = commit or f"refs/heads/{branch}"
+        commit = _git(git_dir, "rev-parse", f"{revision}^{{commit}}").strip()
         files = {p: _git(git_dir, "show", f"{commit}:{p}") for p in TOUCHED_UPSTREAM_FILES}
         checked = {p: _git(git_dir, "show", f"{commit}:{p}") for p in CHECKED_UPSTREAM_FILES}
         return cls(branch, commit, files, checked)
 
-    @classmethod
-    def from_tree(cls, tree: Path, branch: str, commit: Optional[str]) -> "Snapshot":
-        """Read the files of a checkout; ``commit`` defaults to its git HEAD."""
-        if commit is None:
-            commit = _git(tree, "rev-parse", "HEAD").strip()
-        files = {p: (tree / p).read_text() for p in TOUCHED_UPSTREAM_FILES}
-        checked = {p: (tree / p).read_text() for p in CHECKED_UPSTREAM_FILES}
-        return cls(branch, commit, files, checked)
+    @property
+    def offloader(self) -> bool:
+        """Whether ``DistributedOptimizer.load_state_dict`` has the offloader's special case."""
+        return has_offloader_special_case(self.files[CALL_SITE])
 
 
 def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
-    """The series for ``snapshot``: (commit message, files written) per commit, in order."""
-    hunks = our_call_site_hunks()
-    non_distributed_hunks = our_non_distributed_hunks()
-    config_hunks = our_config_hunks()
+    """The series for ``snapshot``: (commit message, files written) per commit, in order.
+
+    The switch comes before the call sites: ``MegatronOptimizer.__init__`` reads it.
+    """
+    config_hunks = our_hunks(CONFIG_FILE)
     switch = adoption_switch(config_hunks)
-    if set(snapshot.checked) != set(CHECKED_UPSTREAM_FILES):
-        raise SeriesError(
-            f"the snapshot lacks {sorted(set(CHECKED_UPSTREAM_FILES) - set(snapshot.checked))}"
-        )
     check_config_copied_from_args(snapshot.checked[TRAINING_FILE], switch)
-    call_site = snapshot.files[CALL_SITE]
-    offloader = has_offloader_special_case(call_site)
+    offloader = snapshot.offloader
     page = Path(DOCS_PAGE).stem
     return [
         (SUBSYSTEM_MESSAGE, subsystem_files()),
-        (
-            call_site_message([*hunks, *non_distributed_hunks], offloader),
-            {
-                CALL_SITE: change_call_site(call_site, hunks),
-                NON_DISTRIBUTED_FILE: change_non_distributed_optimizers(
-                    snapshot.files[NON_DISTRIBUTED_FILE], non_distributed_hunks
-                ),
-            },
-        ),
         (
             CONFIG_MESSAGE,
             {
                 CONFIG_FILE: change_optimizer_config(snapshot.files[CONFIG_FILE], config_hunks),
                 ARGUMENTS_FILE: add_switch_argument(snapshot.files[ARGUMENTS_FILE], switch),
+            },
+        ),
+        (
+            CALL_SITE_MESSAGE + (CALL_SITE_MESSAGE_OFFLOADER if offloader else ""),
+            {
+                path: change_file(snapshot.files[path], our_hunks(path), path, offloader)
+                for path in (CALL_SITE, NON_DISTRIBUTED_FILE)
             },
         ),
         (TESTS_MESSAGE + (TESTS_MESSAGE_OFFLOADER if offloader else ""), test_files(offloader)),
@@ -1222,6 +1130,11 @@ def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
             {**docs_files(), DOCS_INDEX: add_docs_toctree_entry(snapshot.files[DOCS_INDEX], page)},
         ),
     ]
+
+
+def added_files(offloader: bool) -> List[str]:
+    """The paths of the files the series adds (recorded in series.json)."""
+    return sorted({**subsystem_files(), **test_files(offloader), **docs_files()})
 
 
 SERIES_BRANCH = "optimizer-state-adoption"
@@ -1244,7 +1157,6 @@ def build(
     name, email = identity or _identity()
     env = _commit_env(name, email)
     commits = series_commits(snapshot)
-    cover = cover_letter_text(has_offloader_special_case(snapshot.files[CALL_SITE]))
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         _git(work, "init", "-q", "-b", "base", env=env)
@@ -1255,6 +1167,7 @@ def build(
         )
         base = _git(work, "rev-parse", "HEAD").strip()
         _git(work, "checkout", "-q", "-b", SERIES_BRANCH, env=env)
+        cover = cover_letter_text(snapshot.offloader)
         _git(work, "config", f"branch.{SERIES_BRANCH}.description", cover, env=env)
         for message, files in commits:
             _write(work, files)
@@ -1293,38 +1206,45 @@ def code_patches(patches: Sequence[Path]) -> List[Path]:
     return [p for p in patches if p.name != COVER_LETTER]
 
 
-def _manifest() -> Dict[str, Dict[str, object]]:
-    if MANIFEST.exists():
-        data: Dict[str, Dict[str, object]] = json.loads(MANIFEST.read_text())
-        return data
-    return {}
+def manifest() -> Dict[str, Dict[str, object]]:
+    """upstream/series.json: per branch, what the series was last built against."""
+    data: Dict[str, Dict[str, object]] = json.loads(MANIFEST.read_text())
+    return data
 
 
-def _blob_id(content: str) -> str:
+def blob_id(content: str) -> str:
+    """The git blob id of ``content``."""
     result = subprocess.run(
         ["git", "hash-object", "--stdin"], input=content, text=True, check=True, capture_output=True
     )
     return result.stdout.strip()
 
 
-def record(snapshot: Snapshot, patches: Sequence[Path], apply_check: Optional[str]) -> None:
-    """Record the snapshot commit, its files' blob ids, the cover letter and the patch names."""
-    manifest = _manifest()
-    entry = manifest.get(snapshot.branch, {})
-    entry.update(
+def record(snapshot: Snapshot, patches: Sequence[Path], apply_check: str) -> None:
+    """Record the snapshot commit, its files' blob ids, the patch names and added files."""
+    data = manifest() if MANIFEST.exists() else {}
+    data[snapshot.branch] = dict(
         snapshot_commit=snapshot.commit,
-        offloader_special_case=has_offloader_special_case(snapshot.files[CALL_SITE]),
-        pre_image_blobs={p: _blob_id(c) for p, c in sorted(snapshot.files.items())},
-        checked_blobs={p: _blob_id(c) for p, c in sorted(snapshot.checked.items())},
+        offloader_special_case=snapshot.offloader,
+        pre_image_blobs={p: blob_id(c) for p, c in sorted(snapshot.files.items())},
+        checked_blobs={p: blob_id(c) for p, c in sorted(snapshot.checked.items())},
         cover_letter=COVER_LETTER,
         patches=[p.name for p in code_patches(patches)],
+        added_files=added_files(snapshot.offloader),
+        git_apply_check=apply_check,
         series_date=SERIES_DATE,
         author="{} <{}>".format(*_identity()),
     )
-    if apply_check is not None:
-        entry["git_apply_check"] = apply_check
-    manifest[snapshot.branch] = entry
-    MANIFEST.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    MANIFEST.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def work_tree(git_dir: Path, commit: str, into: Path) -> None:
+    """Extract the full tree of ``commit`` into ``into`` and make it a git repository."""
+    archive = subprocess.run(
+        ["git", "--git-dir", str(git_dir), "archive", commit], check=True, capture_output=True
+    )
+    subprocess.run(["tar", "x", "-C", str(into)], input=archive.stdout, check=True)
+    _git(into, "init", "-q")
 
 
 def apply_check(git_dir: Path, commit: str, patches: Sequence[Path]) -> str:
@@ -1332,13 +1252,9 @@ def apply_check(git_dir: Path, commit: str, patches: Sequence[Path]) -> str:
     patches = code_patches(patches)
     with tempfile.TemporaryDirectory() as scratch:
         tree = Path(scratch)
-        archive = subprocess.run(
-            ["git", "--git-dir", str(git_dir), "archive", commit], check=True, capture_output=True
-        )
-        subprocess.run(["tar", "x", "-C", str(tree)], input=archive.stdout, check=True)
-        _git(tree, "init", "-q")
+        work_tree(git_dir, commit, tree)
         result = subprocess.run(
-            ["git", "apply", "--check", "--verbose", *map(str, patches)],
+            ["git", "apply", "--check", *map(str, patches)],
             cwd=tree,
             capture_output=True,
             text=True,
@@ -1349,46 +1265,39 @@ def apply_check(git_dir: Path, commit: str, patches: Sequence[Path]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command line: ``build`` (and record) or ``check`` the series per branch."""
+    """Command line: ``build`` (check and record) or ``check`` the series per branch."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("build", "check"))
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--git-dir", type=Path, help="bare Megatron-LM clone (fetched mirror)")
-    source.add_argument("--source-tree", type=Path, help="a Megatron-LM checkout of --branch")
-    parser.add_argument("--branch", choices=BRANCHES, action="append")
-    parser.add_argument("--snapshot-commit", help="commit of --source-tree (default: its HEAD)")
     parser.add_argument(
-        "--out",
-        type=Path,
-        default=UPSTREAM_DIR,
-        help="series go to OUT/<branch>/ (default upstream/)",
+        "--git-dir", type=Path, required=True, help="Megatron-LM git directory (fetched mirror)"
     )
-    parser.add_argument("--no-record", action="store_true", help="do not update series.json")
+    parser.add_argument("--branch", choices=BRANCHES, action="append")
+    parser.add_argument(
+        "--snapshot-commit",
+        help="build at this revision (default: the one in series.json, else the branch's tip)",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="series go to OUT/<branch>/")
     args = parser.parse_args(argv)
     branches = args.branch or list(BRANCHES)
-    if args.source_tree is not None and len(branches) != 1:
-        parser.error("--source-tree needs exactly one --branch")
+    if args.snapshot_commit is not None and len(branches) != 1:
+        parser.error("--snapshot-commit needs exactly one --branch")
+    recorded = manifest() if MANIFEST.exists() else {}
     for branch in branches:
-        if args.git_dir is not None:
-            snapshot = Snapshot.from_git_dir(args.git_dir, branch)
-        else:
-            snapshot = Snapshot.from_tree(args.source_tree, branch, args.snapshot_commit)
+        commit = args.snapshot_commit or recorded.get(branch, {}).get("snapshot_commit")
         out_dir = args.out / branch
-        if args.command == "build":
-            patches = build(snapshot, out_dir)
-            print(f"{branch} @ {snapshot.commit}: {len(patches)} patches in {out_dir}")
-            check = apply_check(args.git_dir, snapshot.commit, patches) if args.git_dir else None
-            if check:
-                print(f"  {check}")
-            if not args.no_record:
-                record(snapshot, patches, check)
-        else:
-            if args.git_dir is None:
-                parser.error("check needs --git-dir")
-            recorded = _manifest().get(branch, {})
-            commit = str(recorded.get("snapshot_commit", snapshot.commit))
-            patches = sorted(out_dir.glob("*.patch"))
-            print(f"{branch}: {apply_check(args.git_dir, commit, patches)}")
+        if args.command == "check":
+            print(
+                f"{branch}: {apply_check(args.git_dir, str(commit), sorted(out_dir.glob('*.patch')))}"
+            )
+            continue
+        snapshot = Snapshot.from_git_dir(
+            args.git_dir, branch, None if commit is None else str(commit)
+        )
+        patches = build(snapshot, out_dir)
+        print(f"{branch} @ {snapshot.commit}: {len(patches)} patches in {out_dir}")
+        check = apply_check(args.git_dir, snapshot.commit, patches)
+        print(f"  {check}")
+        record(snapshot, patches, check)
     return 0
 
 

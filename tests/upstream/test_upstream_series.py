@@ -1,33 +1,34 @@
-"""The committed Megatron-LM patch series (upstream/<branch>/) is what upstream/build_series.py makes.
+"""The Megatron-LM series that upstream/build_series.py builds, and upstream/series.json.
 
-Two levels, because CI has no copy of Megatron-LM (only PyPI is reachable there):
+The series is not committed: one command builds it into build/upstream-series/ (see
+upstream/README.md). Two levels, because CI has no copy of Megatron-LM (only PyPI is reachable
+there):
 
-* always: every file the series adds is byte-equal to its source in this repository (the
-  subsystem with the copyright line, the unit tests, the docs page), and no file removed here
-  is still added; the changed files' diffs were made against the snapshot recorded in
-  upstream/series.json (their pre-image blob ids); the call-site diff makes the changes of
-  patches/*.patch (on main exactly those hunks; on dev those calls, guarded so that the chunked
-  offloader's path keeps upstream's calls); the OptimizerConfig diff makes exactly the changes
-  of patches/*.patch, before the same section on both branches; the arguments.py diff is one
-  hunk that adds the generated ``--no-optimizer-state-adoption`` argument for that field, and
-  the argument works; the cover letter carries the docs page's "why not in Transformer Engine"
-  and PR 7288 sections; the generator's rules are exercised on small synthetic files of every
-  shape, and what they must refuse is refused.
-* when ``MEGATRON_LM_GIT_DIR`` names a Megatron-LM git directory (e.g. the fetched mirror at
-  /work/.mirror/NVIDIA+Megatron-LM/repo): the series is rebuilt at the recorded commits into a
-  temporary folder and compared byte for byte. Skipped, with the reason, without it.
+* always, in seconds: series.json agrees with the current sources where that needs no snapshot
+  (its patch names are the generator's commit subjects, the files it lists as added are exactly
+  the subsystem modules, unit tests and docs page here, its blob ids are of the files the
+  generator changes and reads), every Python file the series adds passes black 26 with
+  Megatron-LM's settings, the cover letter has its required content, README's table of exported
+  names lists exactly the package's ``__all__``, and the generator's rules are exercised on
+  small synthetic files of every shape, refusing what they must refuse;
+* with ``MEGATRON_LM_GIT_DIR`` (a Megatron-LM git directory, e.g. the fetched mirror
+  /work/.mirror/NVIDIA+Megatron-LM/repo): the series is built at the recorded snapshots into a
+  temporary folder and checked: the snapshot's blob ids and the patch names are those recorded,
+  ``git apply --check`` passes on a full work tree, on main the call-site diffs make exactly the
+  changes of patches/*.patch and on dev they keep the offloader's path, the config field and
+  argument are the generated ones, every added file equals its source, and the changed Python
+  files pass black where the snapshot's did. Skipped, with the reason, without it.
 """
 
 import argparse
 import ast
-import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -40,159 +41,113 @@ from build_series import (  # noqa: E402
     CALL_SITE,
     CONFIG_FILE,
     COVER_LETTER,
+    NON_DISTRIBUTED_FILE,
     FileDiff,
     Hunk,
     SeriesError,
 )
 
-MANIFEST = json.loads((REPO_ROOT / "upstream" / "series.json").read_text())
+MANIFEST = build_series.manifest()
 BRANCHES = sorted(MANIFEST)
-DEFAULT_MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
-DOCS_PAGE = REPO_ROOT / "upstream" / "docs" / "api-guide" / "core" / "optimizer_state_adoption.md"
-
-
-def _series(branch: str) -> List[List[FileDiff]]:
-    names = MANIFEST[branch]["patches"]
-    return [
-        build_series.read_series_patch((REPO_ROOT / "upstream" / branch / name).read_text())
-        for name in names
-    ]
-
-
-def _diffs(branch: str) -> Dict[str, FileDiff]:
-    return {d.path: d for patch in _series(branch) for d in patch}
+MIRROR = Path(os.environ.get("MEGATRON_LM_GIT_DIR", "/nonexistent"))
+# Megatron-LM's pyproject.toml: black 26, line_length 100, skip_string_normalization,
+# skip_magic_trailing_comma.
+BLACK_MODE = dict(line_length=100, string_normalization=False, magic_trailing_comma=False)
 
 
 def _switch() -> build_series.ConfigField:
-    return build_series.adoption_switch(build_series.our_config_hunks())
+    return build_series.adoption_switch(build_series.our_hunks(CONFIG_FILE))
 
 
-def test_manifest_covers_main_and_dev() -> None:
+def _changes(hunks: List[Hunk], strip: bool = False) -> List[Tuple[Tuple[str, ...], ...]]:
+    def lines(block: List[str]) -> Tuple[str, ...]:
+        return tuple(line.strip() if strip else line for line in block)
+
+    return [(lines(h.removed), lines(h.added)) for h in hunks]
+
+
+def _black_clean(content: str) -> bool:
+    import black
+
+    assert black.__version__.startswith("26."), "Megatron-LM requires black 26"
+    return bool(black.format_str(content, mode=black.Mode(**BLACK_MODE)) == content)
+
+
+# ---------------------------------------------------------------------------------------------
+# series.json and the sources, without a snapshot
+# ---------------------------------------------------------------------------------------------
+
+
+def test_manifest_records_main_and_dev() -> None:
     assert BRANCHES == ["dev", "main"]
-    for branch in BRANCHES:
-        entry = MANIFEST[branch]
-        assert len(entry["snapshot_commit"]) == 40
-        assert entry["git_apply_check"].startswith("ok:")
+    for branch, entry in MANIFEST.items():
+        assert len(str(entry["snapshot_commit"])) == 40
+        assert entry["git_apply_check"] == (
+            f"ok: {len(entry['patches'])} patches apply to a full work tree of "
+            f"{entry['snapshot_commit']}"
+        )
         assert entry["cover_letter"] == COVER_LETTER
-        on_disk = sorted(p.name for p in (REPO_ROOT / "upstream" / branch).glob("*.patch"))
-        assert on_disk == [COVER_LETTER, *entry["patches"]]
         assert sorted(entry["pre_image_blobs"]) == sorted(build_series.TOUCHED_UPSTREAM_FILES)
         assert sorted(entry["checked_blobs"]) == sorted(build_series.CHECKED_UPSTREAM_FILES)
+    assert MANIFEST["main"]["offloader_special_case"] is False
+    assert MANIFEST["dev"]["offloader_special_case"] is True
 
 
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_added_files_are_our_sources(branch: str) -> None:
-    offloader = MANIFEST[branch]["offloader_special_case"]
-    expected = {
-        **build_series.subsystem_files(),
-        **build_series.test_files(offloader),
-        **build_series.docs_files(),
-    }
-    added = {path: d.new_content() for path, d in _diffs(branch).items() if d.new_file}
-    ours = sorted((REPO_ROOT / build_series.SUBSYSTEM).glob("*.py"))
-    added_modules = sorted(p for p in added if p.startswith(build_series.SUBSYSTEM + "/"))
-    assert added_modules == [f"{build_series.SUBSYSTEM}/{p.name}" for p in ours], (
-        f"{branch}: the series adds other subsystem modules than there are here "
-        "(a removed or new file); rebuild"
-    )
-    assert sorted(added) == sorted(expected)
-    for path, content in expected.items():
-        assert added[path] == content, f"{branch}: {path} differs from its source; rebuild"
+def test_manifest_lists_the_files_the_series_adds_from_these_sources(branch: str) -> None:
+    """A subsystem module, test or docs page added or removed here needs a rebuild."""
+    expected = build_series.added_files(bool(MANIFEST[branch]["offloader_special_case"]))
+    modules = [
+        f"{build_series.SUBSYSTEM}/{p.name}"
+        for p in (REPO_ROOT / build_series.SUBSYSTEM).glob("*.py")
+    ]
+    assert set(modules) <= set(expected)
+    assert MANIFEST[branch]["added_files"] == expected, f"{branch}: rebuild the series"
+
+
+COMMIT_MESSAGES = [
+    build_series.SUBSYSTEM_MESSAGE,
+    build_series.CONFIG_MESSAGE,
+    build_series.CALL_SITE_MESSAGE,
+    build_series.TESTS_MESSAGE,
+    build_series.DOCS_MESSAGE,
+]
 
 
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_changed_files_were_made_against_the_recorded_snapshot(branch: str) -> None:
-    changed = {path: d for path, d in _diffs(branch).items() if not d.new_file}
-    assert sorted(changed) == sorted(build_series.TOUCHED_UPSTREAM_FILES)
-    for path, diff in changed.items():
-        assert MANIFEST[branch]["pre_image_blobs"][path].startswith(diff.pre_blob)
+def test_manifest_patch_names_are_the_commit_subjects(branch: str) -> None:
+    subjects = [m.split("\n", 1)[0] for m in COMMIT_MESSAGES]
+    names = MANIFEST[branch]["patches"]
+    assert len(names) == len(subjects)
+    for index, (name, subject) in enumerate(zip(names, subjects), 1):
+        # git format-patch: NNNN-<subject, runs of other characters as one '-'>, cut to 52
+        sanitized = re.sub(r"[^A-Za-z0-9._]+", "-", subject).strip("-.")[:52].rstrip("-.")
+        assert name == f"{index:04d}-{sanitized}.patch", f"{branch}: rebuild the series"
 
 
-def _changes(hunks: List[Hunk]) -> List[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
-    return [(tuple(h.removed), tuple(h.added)) for h in hunks]
+def test_commit_messages_fit_e_mail() -> None:
+    for message in [*COMMIT_MESSAGES, build_series.CALL_SITE_MESSAGE_OFFLOADER]:
+        assert max(len(line) for line in message.splitlines()) <= 72
+    assert [m.split("\n")[1] for m in COMMIT_MESSAGES] == [""] * 5
 
 
-@pytest.mark.parametrize("branch", BRANCHES)
-def test_call_site_makes_our_patch_changes(branch: str) -> None:
-    ours = build_series.our_call_site_hunks()
-    theirs = _diffs(branch)[CALL_SITE].hunks
-    if not MANIFEST[branch]["offloader_special_case"]:
-        assert _changes(theirs) == _changes(ours), "patches/*.patch changed; rebuild the series"
-        return
-    added = [line for h in theirs for line in h.added]
-    removed = [line for h in theirs for line in h.removed]
-    for hunk in ours:
-        if hunk.kind == "import":
-            assert all(line in added for line in hunk.added)
-        else:
-            callee = build_series._new_callee(hunk)
-            assert any(f"{callee}(self" in line for line in added), callee
-            comments, _ = build_series._split_comments(hunk.added)
-            stripped = {line.strip() for line in added}
-            assert all(line.strip() in stripped for line in comments), "rebuild the series"
-    assert not any("_optimizer_state_offloader" in line for line in removed)
-    assert sum(build_series.OFFLOADER_GUARD in line for line in added) == sum(
-        h.kind == "export" for h in ours
-    )
+def test_added_python_files_follow_megatron_lm_black() -> None:
+    files = {**build_series.subsystem_files(), **build_series.test_files(True)}
+    unformatted = [path for path, content in sorted(files.items()) if not _black_clean(content)]
+    assert unformatted == [], "black 26 with Megatron-LM's settings would reformat these"
 
 
-@pytest.mark.parametrize("branch", BRANCHES)
-def test_config_field_makes_our_patch_changes(branch: str) -> None:
-    ours = build_series.our_config_hunks()
-    theirs = _diffs(branch)[CONFIG_FILE].hunks
-    assert _changes(theirs) == _changes(ours), "patches/*.patch changed; rebuild the series"
-    for mine, their in zip(ours, theirs):
-        # Before the same section on both branches, after the same blank line.
-        assert their.after == mine.after and their.before[-1:] == mine.before[-1:]
-        if not MANIFEST[branch]["offloader_special_case"]:  # main: our patch as it is
-            assert their.before == mine.before
-
-
-@pytest.mark.parametrize("branch", BRANCHES)
-def test_argument_is_one_hunk_for_the_config_field(branch: str) -> None:
-    switch = _switch()
-    (hunk,) = _diffs(branch)[ARGUMENTS_FILE].hunks
-    assert hunk.removed == []
-    styles = {
-        black: build_series.render_argument(switch, "group", black) for black in (False, True)
-    }
-    assert hunk.added in styles.values(), "the argument is not the generated one; rebuild"
-    assert hunk.added == styles[branch == "dev"]  # main: hand-wrapped, dev: black
-    statement = build_series._block(hunk.added)
-    call = ast.parse(textwrap.dedent(statement)).body[0]
-    assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
-    assert [ast.literal_eval(a) for a in call.value.args] == ["--no-optimizer-state-adoption"]
-    keywords = {k.arg: ast.literal_eval(k.value) for k in call.value.keywords}
-    assert keywords["action"] == "store_false" and keywords["dest"] == switch.name
-    build_series.check_switch_argument(statement, switch)  # True by default, False when given
-
-
-def _cover(branch: str) -> str:
-    return (REPO_ROOT / "upstream" / branch / COVER_LETTER).read_text()
-
-
-def _unfolded_subject(patch: str) -> str:
-    match = re.search(r"^Subject: (.*(?:\n .*)*)", patch, re.MULTILINE)
-    assert match is not None
-    return re.sub(r"\n ", " ", match.group(1))
-
-
-def _words(text: str) -> str:
-    return " ".join(text.split())
-
-
-@pytest.mark.parametrize("branch", BRANCHES)
-def test_cover_letter_carries_why_not_in_transformer_engine(branch: str) -> None:
-    cover = _cover(branch)
-    count = len(MANIFEST[branch]["patches"])
-    assert _unfolded_subject(cover) == f"[PATCH 0/{count}] {build_series.COVER_SUBJECT}"
-    page = DOCS_PAGE.read_text()
+@pytest.mark.parametrize("offloader", [False, True], ids=["main", "dev"])
+def test_cover_letter_has_its_required_content(offloader: bool) -> None:
+    cover = build_series.cover_letter_text(offloader)
+    assert cover.startswith(build_series.COVER_SUBJECT + "\n\n")
+    assert max(len(line) for line in cover.splitlines()) <= 72
+    page = build_series.docs_files()[build_series.DOCS_PAGE]
+    words = " ".join(cover.split())
     for title in build_series.COVER_SECTIONS:
         section = build_series.docs_section(page, title)
-        assert f"\n{title}\n{'-' * len(title)}\n\n" in cover
-        assert build_series.rewrap(section) in cover, f"{branch}: '{title}' differs; rebuild"
-        assert _words(section) in _words(cover)
-    assert max(len(line) for line in build_series.cover_letter_text(True).splitlines()) <= 72
+        assert f"\n{title}\n{'-' * len(title)}\n\n{build_series.rewrap(section)}" in cover
+        assert " ".join(section.split()) in words
     for fact in (
         "https://github.com/NVIDIA/TransformerEngine/pull/3507",
         "Restored states continue to own their storage; checkpoint tensors are copied",
@@ -201,41 +156,33 @@ def test_cover_letter_carries_why_not_in_transformer_engine(branch: str) -> None
         "__setstate__",
         "name_to_dtype_map",
         "master_weights",
+        "OptimizerConfig.optimizer_state_adoption",
+        "--no-optimizer-state-adoption",
     ):
-        assert fact in _words(cover), fact
-    for name in MANIFEST[branch]["patches"]:  # format-patch's shortlog names every commit
-        subject = _unfolded_subject((REPO_ROOT / "upstream" / branch / name).read_text())
-        assert _words(subject.split("] ", 1)[1]) in _words(cover)
-    assert (build_series.COVER_OFFLOADER in cover) == MANIFEST[branch]["offloader_special_case"]
+        assert fact in words, fact
+    assert (build_series.COVER_OFFLOADER in cover) is offloader
 
 
 def test_readme_lists_exactly_the_exported_names() -> None:
     import importlib
 
-    package_name = "megatron.core.optimizer.state_adoption"
-    package = importlib.import_module(package_name)
-    expected = set(package.__all__)
-    for path in sorted((REPO_ROOT / build_series.SUBSYSTEM).glob("*.py")):
-        if path.stem == "__init__":
-            continue
-        module = importlib.import_module(f"{package_name}.{path.stem}")
-        expected |= {f"{path.stem}.{n}" for n in module.__all__ if n not in package.__all__}
+    package = importlib.import_module("megatron.core.optimizer.state_adoption")
     readme = (REPO_ROOT / "upstream" / "README.md").read_text()
     table = readme.split("## Exported names", 1)[1].split("\n## ", 1)[0]
-    listed = {
+    listed = [
         name
         for row in table.splitlines()
         if row.startswith("| `")
         for name in re.findall(r"`([\w.]+)`", row.split(" | ")[0])
-    }
-    assert listed == expected
+    ]
+    assert sorted(listed) == sorted(package.__all__)
 
 
 # ---------------------------------------------------------------------------------------------
 # The generator's rules on synthetic files
 # ---------------------------------------------------------------------------------------------
 
-SYNTHETIC_PLAIN = '''\
+SYNTHETIC_PLAIN = """\
 from .param_layout import FullParamLayout
 
 logger = getLogger(__name__)
@@ -247,6 +194,7 @@ class DistributedOptimizer:
         return inner_state_dict
 
     def load_state_dict(self, state_dict):
+        param_groups_map = {}
         inner_state_dict = self.optimizer.state_dict()
         state_dict_state = inner_state_dict["state"]
 
@@ -255,18 +203,22 @@ class DistributedOptimizer:
             {"state": state_dict_state, "param_groups": state_dict_param_groups}
         )
 
-    def other(self):
-        pass
-'''
+        # Grad scaler.
+"""
 
-SYNTHETIC_OFFLOADER = '''\
+SYNTHETIC_OFFLOADER = """\
 from .param_layout import FullParamLayout
 
 logger = getLogger(__name__)
 
 
 class DistributedOptimizer:
+    def state_dict(self):
+        inner_state_dict = self.optimizer.state_dict()
+        return inner_state_dict
+
     def load_state_dict(self, state_dict):
+        param_groups_map = {}
         inner_state_dict = self.optimizer.state_dict()
         state_dict_state = inner_state_dict["state"]
 
@@ -278,18 +230,27 @@ class DistributedOptimizer:
             self._optimizer_state_offloader.load_state_dict_without_device_cast(
                 optimizer_state_dict
             )
-'''
 
-FINAL_API_HUNKS = [
+        # Grad scaler.
+"""
+
+CALL_SITE_HUNKS = [
     Hunk(
         before=["from .param_layout import FullParamLayout"],
         added=["from .state_adoption import export_inner_optimizer_state_dict, load_x"],
+        after=[""],
     ),
     Hunk(
+        before=["        param_groups_map = {}"],
         removed=["        inner_state_dict = self.optimizer.state_dict()"],
-        added=["        inner_state_dict = export_inner_optimizer_state_dict(self)"],
+        added=[
+            "        # Adopters may export it.",
+            "        inner_state_dict = export_inner_optimizer_state_dict(self)",
+        ],
+        after=['        state_dict_state = inner_state_dict["state"]'],
     ),
     Hunk(
+        before=[""],
         removed=[
             "        # Optimizer.",
             "        self.optimizer.load_state_dict(",
@@ -298,52 +259,162 @@ FINAL_API_HUNKS = [
         added=[
             "        # Optimizer. Adopters may install it.",
             "        load_inner_optimizer_state_dict(",
-            '            self, {"state": state_dict_state, "param_groups": state_dict_param_groups}',
+            "            self,",
+            '            {"state": state_dict_state, "param_groups": state_dict_param_groups},',
+            "            owns_state_dict=True,",
         ],
+        after=["        )", "", "        # Grad scaler."],
     ),
 ]
 
 
-def test_rules_on_plain_call_site_change_only_load_state_dict() -> None:
-    result = build_series.change_call_site(SYNTHETIC_PLAIN, FINAL_API_HUNKS)
-    state_dict_method = result.split("def load_state_dict")[0]
+def test_call_site_rule_on_main_applies_our_hunks_where_their_context_is_unique() -> None:
+    result = build_series.change_file(SYNTHETIC_PLAIN, CALL_SITE_HUNKS, CALL_SITE, False)
+    state_dict_method, load_method = result.split("    def load_state_dict")
     assert "inner_state_dict = self.optimizer.state_dict()" in state_dict_method
-    assert "inner_state_dict = export_inner_optimizer_state_dict(self)" in result
-    assert "load_inner_optimizer_state_dict(\n            self, {" in result
-    assert "self.optimizer.load_state_dict" not in result
-
-
-def test_rules_on_offloader_call_site_keep_the_offloader_path() -> None:
-    result = build_series.change_call_site(SYNTHETIC_OFFLOADER, FINAL_API_HUNKS)
     assert (
+        "        param_groups_map = {}\n"
+        "        # Adopters may export it.\n"
+        "        inner_state_dict = export_inner_optimizer_state_dict(self)\n"
+    ) in load_method
+    assert (
+        "        # Optimizer. Adopters may install it.\n"
+        "        load_inner_optimizer_state_dict(\n"
+        "            self,\n"
+        '            {"state": state_dict_state, "param_groups": state_dict_param_groups},\n'
+        "            owns_state_dict=True,\n"
+        "        )\n"
+    ) in load_method
+    assert result.startswith(
+        "from .param_layout import FullParamLayout\n"
+        "from .state_adoption import export_inner_optimizer_state_dict, load_x\n\n"
+    )
+
+
+def test_call_site_rule_on_dev_keeps_the_offloader_path() -> None:
+    result = build_series.change_file(SYNTHETIC_OFFLOADER, CALL_SITE_HUNKS, CALL_SITE, True)
+    assert (
+        "        # Adopters may export it.\n"
         "        if self._optimizer_state_offloader is None:\n"
         "            inner_state_dict = export_inner_optimizer_state_dict(self)\n"
         "        else:\n"
         "            inner_state_dict = self.optimizer.state_dict()\n"
     ) in result
     assert (
+        "        # Optimizer. Adopters may install it.\n"
+        f"        {build_series.DEV_LOAD_COMMENT}\n"
+        '        optimizer_state_dict = {"state": state_dict_state, "param_groups": '
+        "state_dict_param_groups}\n"
         "        if self._optimizer_state_offloader is None:\n"
-        "            load_inner_optimizer_state_dict(self, optimizer_state_dict)\n"
+        "            load_inner_optimizer_state_dict(self, optimizer_state_dict, owns_state_dict=True)\n"
         "        else:\n"
         "            self._optimizer_state_offloader.load_state_dict_without_device_cast(\n"
+        "                optimizer_state_dict\n"
+        "            )\n"
     ) in result
-    assert "# Optimizer. Adopters may install it." in result
+    build_series.check_offloader_path_kept(result)
+    with pytest.raises(SeriesError, match="subsystem calls but"):
+        build_series.check_offloader_path_kept(
+            result.replace(
+                "if self._optimizer_state_offloader is None:\n            inner",
+                "if True:\n            inner",
+            )
+        )
 
 
-def test_unknown_call_site_shape_is_refused() -> None:
-    broken = SYNTHETIC_PLAIN.replace("# Optimizer.\n", "# Inner optimizer.\n")
-    with pytest.raises(SeriesError):
-        build_series.change_call_site(broken, FINAL_API_HUNKS)
+SYNTHETIC_OPTIMIZER = """\
+from .optimizer_config import OptimizerConfig
+
+logger = getLogger(__name__)
 
 
-def test_a_patch_changing_another_file_is_refused(
+class MegatronOptimizer(ABC):
+    def __init__(self, optimizer, config, init_state_fn):
+        self.config = config
+        self.init_state_fn = init_state_fn
+{dev_fields}
+    def get_parameters(self):
+        return []
+
+
+class FP32Optimizer(MegatronOptimizer):
+    def load_state_dict(self, state_dict):
+{load}
+"""
+
+OPTIMIZER_SHAPES = {
+    "main": ("", "        self.optimizer.load_state_dict(state_dict)"),
+    "dev": (
+        "        self._optimizer_state_offloader = None\n",
+        "        if self._optimizer_state_offloader is None:\n"
+        "            self.optimizer.load_state_dict(state_dict)\n"
+        "        else:\n"
+        "            self._optimizer_state_offloader.load_state_dict_without_device_cast(state_dict)",
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(OPTIMIZER_SHAPES))
+def test_optimizer_rule_inserts_after_unique_context_and_indents_like_the_snapshot(
+    shape: str,
+) -> None:
+    dev_fields, load = OPTIMIZER_SHAPES[shape]
+    text = SYNTHETIC_OPTIMIZER.format(dev_fields=dev_fields, load=load)
+    hunks = [
+        Hunk(before=["from .optimizer_config import OptimizerConfig"], added=["from .x import y"]),
+        Hunk(
+            before=["        self.config = config", "        self.init_state_fn = init_state_fn"],
+            added=["        if config.switch:", "            y().load()"],
+            after=["", "    def get_parameters(self):"],
+        ),
+        Hunk(
+            before=["    def load_state_dict(self, state_dict):"],
+            removed=["        self.optimizer.load_state_dict(state_dict)"],
+            added=["        load(self, state_dict)"],
+        ),
+    ]
+    result = build_series.change_file(text, hunks, NON_DISTRIBUTED_FILE, shape == "dev")
+    assert "from .optimizer_config import OptimizerConfig\nfrom .x import y\n" in result
+    assert (
+        "        self.init_state_fn = init_state_fn\n"
+        "        if config.switch:\n"
+        "            y().load()\n" + dev_fields
+    ) in result
+    indent = "            " if shape == "dev" else "        "
+    assert f"\n{indent}load(self, state_dict)\n" in result
+    assert "load_state_dict_without_device_cast(state_dict)" in result or shape == "main"
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda text: text.replace("        # Optimizer.\n", "        # Inner optimizer.\n"), "found 0 times"),
+        (lambda text: text.replace("        # Grad scaler.\n", SYNTHETIC_PLAIN.split("class ")[1]), "found 2 times"),
+        (lambda text: text.replace("        self.optimizer.load_state_dict(\n", "    self.optimizer.load_state_dict(\n"), "indented otherwise"),
+    ],
+    ids=["missing", "ambiguous", "indented less"],
+)  # fmt: skip
+def test_call_site_rule_refuses(mutate, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SeriesError, match=match):
+        build_series.change_file(mutate(SYNTHETIC_PLAIN), CALL_SITE_HUNKS, CALL_SITE, False)
+
+
+def test_unknown_offloader_shape_is_refused() -> None:
+    broken = SYNTHETIC_OFFLOADER.replace(
+        "optimizer_state_dict = {", "optimizer_state_dict = dict({"
+    )
+    with pytest.raises(SeriesError, match="unknown shape"):
+        build_series.change_file(broken, CALL_SITE_HUNKS, CALL_SITE, True)
+
+
+def test_our_patches_carry_to_known_files_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    for path in build_series.PATCHED_FILES:
+        assert build_series.our_hunks(path)
     (tmp_path / "patches").mkdir()
     for patch in sorted((REPO_ROOT / "patches").glob("*.patch")):
         (tmp_path / "patches" / patch.name).write_text(patch.read_text())
-    monkeypatch.setattr(build_series, "REPO_ROOT", tmp_path)
-    assert build_series.our_config_hunks()  # the real patches pass
     (tmp_path / "patches" / "0099-other.patch").write_text(
         "--- a/megatron/core/optimizer/grad_scaler.py\n"
         "+++ b/megatron/core/optimizer/grad_scaler.py\n"
@@ -351,8 +422,9 @@ def test_a_patch_changing_another_file_is_refused(
         " import torch\n"
         "+import os\n"
     )
+    monkeypatch.setattr(build_series, "REPO_ROOT", tmp_path)
     with pytest.raises(SeriesError, match="does not carry"):
-        build_series.our_call_site_hunks()
+        build_series.our_hunks(CALL_SITE)
 
 
 SYNTHETIC_CONFIG = '''\
@@ -385,7 +457,7 @@ DEV_FIELDS = '''
 
 @pytest.mark.parametrize("dev_fields", ["", DEV_FIELDS], ids=["main", "dev"])
 def test_config_rule_inserts_our_section_before_the_next_one(dev_fields: str) -> None:
-    hunks = build_series.our_config_hunks()
+    hunks = build_series.our_hunks(CONFIG_FILE)
     text = SYNTHETIC_CONFIG.replace("{dev_fields}", dev_fields)
     result = build_series.change_optimizer_config(text, hunks)
     added = build_series._block(hunks[0].added)
@@ -421,7 +493,7 @@ def test_config_rule_inserts_our_section_before_the_next_one(dev_fields: str) ->
 def test_config_rule_refuses(mutate) -> None:  # type: ignore[no-untyped-def]
     text = mutate(SYNTHETIC_CONFIG.replace("{dev_fields}", ""))
     with pytest.raises(SeriesError):
-        build_series.change_optimizer_config(text, build_series.our_config_hunks())
+        build_series.change_optimizer_config(text, build_series.our_hunks(CONFIG_FILE))
 
 
 SYNTHETIC_ARGUMENTS_MAIN = """\
@@ -563,67 +635,149 @@ def test_rewrap_keeps_lists_and_refuses_code() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# With a Megatron-LM git directory: the rebuild is byte-identical
+# With a Megatron-LM git directory: the series built at the recorded snapshots
 # ---------------------------------------------------------------------------------------------
 
-
-def _mirror() -> Path:
-    return Path(os.environ.get("MEGATRON_LM_GIT_DIR", "/nonexistent"))
-
-
-@pytest.mark.skipif(
-    not (_mirror() / "HEAD").exists(),
+needs_mirror = pytest.mark.skipif(
+    not (MIRROR / "HEAD").exists(),
     reason="no Megatron-LM git directory (set MEGATRON_LM_GIT_DIR, e.g. to the fetched mirror "
-    f"{DEFAULT_MIRROR}); the byte-for-byte rebuild needs the snapshot, the source-equality "
-    "checks above ran without it",
+    "/work/.mirror/NVIDIA+Megatron-LM/repo); the checks above ran without it",
 )
+
+
+class Built:
+    """The series of one branch, built at its recorded snapshot."""
+
+    def __init__(self, branch: str, out: Path) -> None:
+        entry = MANIFEST[branch]
+        self.snapshot = build_series.Snapshot.from_git_dir(
+            MIRROR, branch, str(entry["snapshot_commit"])
+        )
+        name, email = str(entry["author"])[:-1].split(" <")
+        self.patches = build_series.build(self.snapshot, out, identity=(name, email))
+        self.diffs: Dict[str, FileDiff] = {
+            d.path: d
+            for patch in build_series.code_patches(self.patches)
+            for d in build_series.read_series_patch(patch.read_text())
+        }
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Built]]:
+    out = tmp_path_factory.mktemp("upstream-series")
+    yield {branch: Built(branch, out / branch) for branch in BRANCHES}
+
+
+@needs_mirror
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_series_rebuilds_byte_for_byte(branch: str, tmp_path: Path) -> None:
-    commit = MANIFEST[branch]["snapshot_commit"]
-    probe = subprocess.run(
-        ["git", "--git-dir", str(_mirror()), "cat-file", "-e", f"{commit}^{{commit}}"],
-        capture_output=True,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"{_mirror()} does not hold the recorded {branch} commit {commit}")
-    snapshot = build_series.Snapshot.from_git_dir(_mirror(), branch, commit)
+def test_built_series_is_recorded_and_applies_to_a_full_work_tree(
+    built: Dict[str, Built], branch: str
+) -> None:
+    series, entry = built[branch], MANIFEST[branch]
     for recorded, files in (
-        ("pre_image_blobs", snapshot.files),
-        ("checked_blobs", snapshot.checked),
+        ("pre_image_blobs", series.snapshot.files),
+        ("checked_blobs", series.snapshot.checked),
     ):
-        blobs = {path: build_series._blob_id(content) for path, content in files.items()}
-        assert blobs == MANIFEST[branch][recorded], f"{branch}: {recorded} differ"
-    name, email = MANIFEST[branch]["author"][:-1].split(" <")
-    rebuilt = build_series.build(snapshot, tmp_path / branch, identity=(name, email))
-    assert [p.name for p in rebuilt] == [COVER_LETTER, *MANIFEST[branch]["patches"]]
-    for patch in rebuilt:
-        committed = REPO_ROOT / "upstream" / branch / patch.name
-        assert patch.read_text() == committed.read_text(), f"{branch}/{patch.name}: rebuild"
+        assert {p: build_series.blob_id(c) for p, c in files.items()} == entry[recorded]
+    assert [p.name for p in series.patches] == [COVER_LETTER, *entry["patches"]]
+    check = build_series.apply_check(MIRROR, series.snapshot.commit, series.patches)
+    assert check == entry["git_apply_check"]
+    added = sorted(path for path, diff in series.diffs.items() if diff.new_file)
+    assert added == entry["added_files"]
+    changed = sorted(path for path, diff in series.diffs.items() if not diff.new_file)
+    assert changed == sorted(build_series.TOUCHED_UPSTREAM_FILES)
+    for path in changed:
+        assert str(entry["pre_image_blobs"][path]).startswith(series.diffs[path].pre_blob)
+    cover = " ".join(series.patches[0].read_text().split())
+    for patch in series.patches[1:]:  # format-patch's shortlog names every commit
+        subject = re.search(
+            r"^Subject: \[PATCH \d/5\] (.*(?:\n .*)*)", patch.read_text(), re.MULTILINE
+        )
+        assert subject is not None and " ".join(subject.group(1).split()) in cover
 
 
-def _black_26():  # type: ignore[no-untyped-def]
-    try:
-        import black
-    except ImportError:
-        return None
-    return black if black.__version__.startswith("26.") else None
-
-
-@pytest.mark.skipif(
-    _black_26() is None,
-    reason="black 26 (Megatron-LM's required_version) is not installed; Megatron-LM's CI "
-    "formats the series' Python files with it (pip install 'black==26.*' to check here)",
-)
+@needs_mirror
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_added_python_files_follow_megatron_lm_black(branch: str) -> None:
-    black = _black_26()
-    # Megatron-LM's pyproject.toml: line_length 100, skip_string_normalization,
-    # skip_magic_trailing_comma.
-    mode = black.Mode(line_length=100, string_normalization=False, magic_trailing_comma=False)
-    added = {path: d.new_content() for path, d in _diffs(branch).items() if d.new_file}
-    unformatted = [
-        path
-        for path, content in sorted(added.items())
-        if path.endswith(".py") and black.format_str(content, mode=mode) != content
-    ]
-    assert unformatted == [], f"{branch}: black (Megatron-LM's settings) would reformat these"
+def test_every_added_file_is_its_source(built: Dict[str, Built], branch: str) -> None:
+    offloader = built[branch].snapshot.offloader
+    expected = {
+        **build_series.subsystem_files(),
+        **build_series.test_files(offloader),
+        **build_series.docs_files(),
+    }
+    added = {path: d.new_content() for path, d in built[branch].diffs.items() if d.new_file}
+    assert sorted(added) == sorted(expected)
+    for path, content in expected.items():
+        assert added[path] == content, path
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_call_sites_make_our_patch_changes(built: Dict[str, Built], branch: str) -> None:
+    diffs = built[branch].diffs
+    if not built[branch].snapshot.offloader:
+        for path in (CALL_SITE, NON_DISTRIBUTED_FILE):
+            assert _changes(diffs[path].hunks) == _changes(build_series.our_hunks(path)), path
+        return
+    # dev: optimizer.py as ours, up to indentation (a load inside the offloader's guard)
+    ours = build_series.our_hunks(NON_DISTRIBUTED_FILE)
+    assert _changes(diffs[NON_DISTRIBUTED_FILE].hunks, True) == _changes(ours, True)
+    # dev: distrib_optimizer.py carries every line we add, removes no offloader line and
+    # guards each export
+    added = [line.strip() for h in diffs[CALL_SITE].hunks for line in h.added]
+    removed = [line for h in diffs[CALL_SITE].hunks for line in h.removed]
+    ours = build_series.our_hunks(CALL_SITE)
+    for hunk in ours:
+        comments, code = build_series._split_comments(hunk.added)
+        for line in comments if hunk.kind == "load" else hunk.added:
+            assert line.strip() in added, line
+    # our load call (patches/0001), with dev's variable for the dict it assembles
+    assert (
+        "load_inner_optimizer_state_dict(self, optimizer_state_dict, owns_state_dict=True)" in added
+    )
+    assert not any("_optimizer_state_offloader" in line for line in removed)
+    assert added.count(build_series.OFFLOADER_GUARD) == sum(h.kind == "export" for h in ours)
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_config_field_and_argument_are_the_generated_ones(
+    built: Dict[str, Built], branch: str
+) -> None:
+    ours = build_series.our_hunks(CONFIG_FILE)
+    theirs = built[branch].diffs[CONFIG_FILE].hunks
+    assert _changes(theirs) == _changes(ours)
+    for mine, their in zip(ours, theirs):  # before the same section, after the same blank line
+        assert their.after == mine.after and their.before[-1:] == mine.before[-1:]
+        if not built[branch].snapshot.offloader:  # main: our patch as it is
+            assert their.before == mine.before
+    switch = _switch()
+    (hunk,) = built[branch].diffs[ARGUMENTS_FILE].hunks
+    assert hunk.removed == []
+    assert hunk.added == build_series.render_argument(switch, "group", branch == "dev")
+    statement = build_series._block(hunk.added)
+    call = ast.parse(textwrap.dedent(statement)).body[0]
+    assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
+    assert [ast.literal_eval(a) for a in call.value.args] == ["--no-optimizer-state-adoption"]
+    build_series.check_switch_argument(statement, switch)
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_changed_python_files_stay_black_clean(
+    built: Dict[str, Built], branch: str, tmp_path: Path
+) -> None:
+    """A changed file the snapshot has black-clean (all but main's arguments.py) stays so."""
+    series = built[branch]
+    build_series.work_tree(MIRROR, series.snapshot.commit, tmp_path)
+    subprocess.run(
+        ["git", "apply", *map(str, build_series.code_patches(series.patches))],
+        cwd=tmp_path,
+        check=True,
+    )
+    checked = []
+    for path, before in series.snapshot.files.items():
+        if path.endswith(".py") and _black_clean(before):
+            assert _black_clean((tmp_path / path).read_text()), path
+            checked.append(path)
+    assert len(checked) == (4 if branch == "dev" else 3)
