@@ -202,7 +202,7 @@ BROKEN = {
     "a_non_adopter": ("plugins:not_an_adopter", "is not a StateAdopter"),
     "a_mismatched": ("plugins:mismatched", "name 'another_name' is not the entry point's"),
     "b spaced": ("plugins:alpha", "name 'alpha' is not the entry point's"),
-    "beta": ("plugins:beta", "'beta' is registered (built-in)"),
+    "beta": ("plugins:beta", "a state adopter named 'beta' is registered"),
 }
 
 

@@ -20,8 +20,7 @@ from .call_sites import (
 )
 from .outcome import AdoptionOutcome
 from .registry import StateAdopterRegistry, default_registry
-from .te_fused_adam import TEFusedAdamFP32StateAdopter
-from .te_precision_aware import TEFusedAdamPrecisionAwareStateAdopter
+from .te_fused_adam import TEFusedAdamFP32StateAdopter, TEFusedAdamPrecisionAwareStateAdopter
 
 __all__ = [
     "AdoptionContext",

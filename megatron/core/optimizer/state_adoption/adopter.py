@@ -41,16 +41,8 @@ class AdoptionContext:
 
     @classmethod
     def for_owner(cls, owner: Any, **fields: Any) -> "AdoptionContext":
-        """Build the context of ``owner``'s (a Megatron optimizer's) inner optimizer.
-
-        Args:
-            owner (Any): has ``optimizer``; ``config``, ``ddp_config`` and
-                ``is_stub_optimizer`` are read where present.
-            **fields (Any): ``state_dict`` and ``owns_state_dict`` of a load.
-
-        Returns:
-            AdoptionContext: the context.
-        """
+        """The context of a Megatron optimizer's (``owner``'s) inner optimizer; ``fields`` are
+        a load's ``state_dict`` and ``owns_state_dict``."""
         return cls(
             optimizer=owner.optimizer,
             config=getattr(owner, "config", None),
@@ -79,36 +71,19 @@ class StateAdopter(abc.ABC):
 
     @abc.abstractmethod
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Whether to install ``context.state_dict`` instead of ``optimizer.load_state_dict``.
-
-        Args:
-            context (AdoptionContext): the optimizer and the state dict.
-
-        Returns:
-            Optional[str]: None to accept, otherwise why not.
-        """
+        """None to install ``context.state_dict`` instead of ``optimizer.load_state_dict``,
+        otherwise why not."""
 
     @abc.abstractmethod
     def adopt(self, context: AdoptionContext) -> None:
-        """Install ``context.state_dict`` into ``context.optimizer``, all or nothing.
-
-        Args:
-            context (AdoptionContext): a context ``decline_reason`` accepted.
-        """
+        """Install ``context.state_dict`` (all or nothing) into the optimizer."""
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Whether to export the state dict instead of ``optimizer.state_dict()``."""
         return "it offers no export"
 
     def export_state_dict(self, context: AdoptionContext) -> Dict[str, Any]:
-        """Return PyTorch's state dict of ``context.optimizer``, the held tensors themselves.
-
-        Args:
-            context (AdoptionContext): a context ``export_decline_reason`` accepted.
-
-        Returns:
-            Dict[str, Any]: the ``{"state", "param_groups"}`` dict.
-        """
+        """PyTorch's state dict of the optimizer, with the held tensors themselves."""
         raise NotImplementedError
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
@@ -121,18 +96,9 @@ class StateAdopter(abc.ABC):
         return "it offers no read targets"
 
     def read_target(self, context: AdoptionContext, param: torch.Tensor, name: str) -> torch.Tensor:
-        """Return the tensor state ``name`` of ``param`` is read into: the held tensor itself where
+        """The tensor state ``name`` of ``param`` is read into: the held tensor itself where
         reading into it gives the bits ``set_scaled_state`` stores, else new memory of the dtype
-        ``get_unscaled_state`` returns.
-
-        Args:
-            context (AdoptionContext): a context ``read_target_decline_reason`` accepted.
-            param (torch.Tensor): the inner optimizer's parameter.
-            name (str): the state's name.
-
-        Returns:
-            torch.Tensor: the read target.
-        """
+        ``get_unscaled_state`` returns."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -36,19 +36,12 @@ def params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 
 def is_dtensor(value: Any) -> bool:
     """Whether ``value`` is a DTensor (Megatron-FSDP's parameters and state are)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
+    return isinstance(value, torch.Tensor) and callable(getattr(value, "to_local", None))
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor that holds its memory), or the tensor itself."""
-    if is_dtensor(tensor):
-        shard: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
-        return shard
-    return tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def extent(tensor: torch.Tensor) -> Optional[Tuple[int, int, int]]:
@@ -247,12 +240,13 @@ def same_memory(tensor: Any, other: Any) -> bool:
     if not (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor)):
         return False
     a, b = local(tensor), local(other)
-    return (a is b or extent(a) == extent(b) is not None) and (
-        a.dtype,
-        a.shape,
-        a.stride(),
-        a.device,
-    ) == (b.dtype, b.shape, b.stride(), b.device)
+    same_place = a is b or extent(a) == extent(b) is not None
+    return same_place and (a.dtype, a.shape, a.stride(), a.device) == (
+        b.dtype,
+        b.shape,
+        b.stride(),
+        b.device,
+    )
 
 
 def same_value(installed: Any, given: Any) -> bool:
@@ -352,39 +346,25 @@ def _installed_tensor_problem(
 
 
 def exported_state_problem(optimizer: torch.optim.Optimizer, exported: Any) -> Optional[str]:
-    """Check that an export is PyTorch's state dict of the optimizer as it holds its state: the
-    groups with their hyper-parameters and PyTorch's ids; state for exactly the parameters that
-    hold state, with the held keys, each tensor the held one, each other value equal."""
-    if not isinstance(exported, dict) or set(exported) != {"state", "param_groups"}:
-        return "it is not a dict of exactly 'state' and 'param_groups'"
-    groups, state = exported["param_groups"], exported["state"]
-    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
-        return "its param groups are not the optimizer's"
-    ids: Dict[int, int] = {}  # numbered as torch.optim.Optimizer.state_dict numbers them
-    for index, (group, held_group) in enumerate(zip(groups, optimizer.param_groups)):
-        for param in held_group["params"]:
-            ids.setdefault(id(param), len(ids))
-        expected_ids = [ids[id(param)] for param in held_group["params"]]
-        if not isinstance(group, Mapping) or group.get("params") != expected_ids:
-            return f"param group {index} does not list the parameter ids {expected_ids}"
-        if set(group) != set(held_group) or not all(
-            same_value(group[key], value) for key, value in held_group.items() if key != "params"
-        ):
-            return f"param group {index} has other hyper-parameters than the optimizer's"
-    held_state = {ids[id(p)]: e for p, e in optimizer.state.items() if id(p) in ids}
-    if not isinstance(state, Mapping) or set(state) != set(held_state):
-        return "its state is not for exactly the parameters that hold state"
-    for state_id, held in held_state.items():
-        entry = state[state_id]
-        if not isinstance(entry, Mapping) or set(entry) != set(held):
-            return f"the state of parameter {state_id} does not have the held keys"
-        for key, value in held.items():
-            if isinstance(value, torch.Tensor):
-                if not same_memory(entry[key], value):
-                    return f"{key} of parameter {state_id} is not the held tensor"
-            elif not same_value(entry[key], value):
-                return f"{key} of parameter {state_id} is not the held value"
-    return None
+    """Check that an export is PyTorch's state dict of the optimizer as it holds its state
+    (:func:`held_state_dict`): the same keys and ids, each tensor the held one itself."""
+    return _mismatch(exported, held_state_dict(optimizer), "the export")
+
+
+def _mismatch(value: Any, held: Any, where: str) -> Optional[str]:
+    """Where ``value`` differs from ``held``: containers by keys/length, tensors by memory."""
+    if isinstance(held, torch.Tensor):
+        return None if same_memory(value, held) else f"{where} is not the held tensor"
+    if isinstance(held, (dict, list)):
+        if type(value) is not type(held) or len(value) != len(held):
+            return f"{where} is not a {type(held).__name__} of {len(held)} items as held"
+        keys = range(len(held)) if isinstance(held, list) else held
+        if isinstance(held, dict) and set(value) != set(held):
+            return f"{where} has the keys {sorted(map(str, value))}, not the held ones"
+        return next(
+            filter(None, (_mismatch(value[k], held[k], f"{where}[{k!r}]") for k in keys)), None
+        )
+    return None if same_value(value, held) else f"{where} is {value!r}, not the held {held!r}"
 
 
 def initialized_state_problem(optimizer: torch.optim.Optimizer, params: List[Any]) -> Optional[str]:

@@ -1,9 +1,20 @@
-"""The record of one call at a hook point, handed to the registry's outcome hooks."""
+"""The record of one call at a hook point: measured, named, logged and handed to the registry's
+outcome hooks."""
 
+import logging
+import weakref
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from megatron.core.utils import log_single_rank
+
+from .checks import extent, local, params_of
 
 __all__ = ["AdoptionOutcome"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,3 +55,77 @@ class AdoptionOutcome:
         record = asdict(self)
         record["declines"] = [list(decline) for decline in self.declines]
         return record
+
+
+def describe(optimizer: torch.optim.Optimizer) -> str:
+    """Name an inner optimizer so that a ChainedOptimizer's optimizers differ in the logs."""
+    name = f"{type(optimizer).__name__} {id(optimizer):#x}"
+    try:
+        params = params_of(optimizer)
+        return f"{name} ({len(params)} params, {sum(local(p).numel() for p in params):,} elements)"
+    except Exception:  # a malformed optimizer is reported by its own code
+        return name
+
+
+def tensors_of(state: Any) -> List[torch.Tensor]:
+    """The tensors of a list of tensors or of a ``{key: {name: value}}`` state mapping."""
+    if isinstance(state, Mapping):
+        entries = [e for e in state.values() if isinstance(e, Mapping)]
+        return [v for e in entries for v in e.values() if isinstance(v, torch.Tensor)]
+    return [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, list) else []
+
+
+class Existing:
+    """The state's storages before a call, held weakly: the call may free one and reuse its
+    address."""
+
+    def __init__(self, *states: Any) -> None:
+        places = [(weakref.ref(t), extent(t)) for state in states for t in tensors_of(state)]
+        self._storages = [(tensor, place[0]) for tensor, place in places if place is not None]
+
+    def measure(self, state: Any) -> Tuple[int, int]:
+        """(bytes in storage alive since before the call, in new storage) of ``state``; each
+        storage counted once, by the bytes its tensors span."""
+        alive = {
+            s
+            for ref, s in self._storages
+            if (t := ref()) is not None and (extent(t) or (0,))[0] == s
+        }
+        spans: Dict[int, List[Tuple[int, int]]] = {}
+        for place in filter(None, map(extent, tensors_of(state))):
+            spans.setdefault(place[0], []).append(place[1:])
+        counts = [0, 0]
+        for storage, ranges in spans.items():
+            reached = 0
+            for start, end in sorted(ranges):
+                counts[storage not in alive] += max(0, end - max(start, reached))
+                reached = max(reached, end)
+        return counts[0], counts[1]
+
+
+def _size(count: int) -> str:
+    return f"{count:,} B" if count < 2**20 else f"{count / 2**20:,.1f} MiB"
+
+
+def log(outcome: AdoptionOutcome, verb: str) -> None:
+    """Declines at debug and the result at info on rank 0; errors on every rank."""
+    for name, reason in outcome.declines:
+        log_single_rank(
+            logger, logging.DEBUG, f"Optimizer state adopter {name!r} declined: {reason}"
+        )
+    sizes = f"{_size(outcome.reused_bytes)} by reference, {_size(outcome.allocated_bytes)} newly allocated"
+    what = f"the state of {outcome.optimizer}"
+    if outcome.error is not None:
+        logger.warning(
+            f"Optimizer state {outcome.hook_point} of {outcome.optimizer} raised: {outcome.error}"
+        )
+    elif outcome.adopter is not None:
+        message = f"Optimizer state adopter {outcome.adopter!r} {verb} {what}: {sizes}"
+        log_single_rank(logger, logging.INFO, message)
+        if outcome.allocated_bytes > 0 and outcome.hook_point in ("load", "export"):
+            logger.warning(f"{message}: new memory instead of the tensors it was given")
+    else:
+        level = logging.INFO if outcome.hook_point == "load" else logging.DEBUG
+        log_single_rank(
+            logger, level, f"{outcome.method} {verb} {what} ({outcome.fallback_reason}): {sizes}"
+        )

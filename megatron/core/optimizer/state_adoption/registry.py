@@ -1,12 +1,11 @@
 """The ordered registry of state adopters, their plugins and the outcome hooks.
 
-Adopters are tried in this order, whenever they were registered: the built-in ones, then the
-plugins (entry-point group ``megatron_core.optimizer_state_adopters``, by entry-point name),
-then those registered in code, in registration order; ``prepend=True`` puts one before all of
-them, the latest first, as PyTorch's ``register_*_hook(..., prepend=True)`` does. Plugins are
-loaded once, by :meth:`StateAdopterRegistry.load_plugins`, which Megatron-Core calls when it
-constructs an optimizer; the entry point names a zero-argument callable (typically the adopter
-class) returning an adopter whose ``name`` is the entry point's name::
+Adopters are tried in this order, whenever they were registered: the built-in ones, the plugins
+(entry-point group ``megatron_core.optimizer_state_adopters``, by entry-point name), those
+registered in code (in order); ``prepend=True`` puts one before all, the latest first, as in
+PyTorch's ``register_*_hook``. :meth:`StateAdopterRegistry.load_plugins`, which Megatron-Core
+calls when it constructs an optimizer, loads the plugins once: each entry point names a
+zero-argument callable returning an adopter whose ``name`` is the entry point's::
 
     [project.entry-points."megatron_core.optimizer_state_adopters"]
     my_adam = "my_package.adoption:MyAdamStateAdopter"
@@ -33,8 +32,6 @@ PLUGIN_GROUP = "megatron_core.optimizer_state_adopters"
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
 _PREPENDED, _BUILT_IN, _PLUGIN, _CODE = range(4)
 
-OutcomeHook = Callable[[AdoptionOutcome], None]
-
 
 class _Handles(Dict[int, Any]):
     """Entries by handle id; a handle's removal takes the registry's lock and may be repeated."""
@@ -51,7 +48,6 @@ class _Handles(Dict[int, Any]):
 @dataclass(frozen=True)
 class _Entry:
     item: Any  # a StateAdopter, or an outcome hook
-    origin: str
     order: Tuple[int, Any]
     handle: RemovableHandle
 
@@ -60,29 +56,24 @@ class StateAdopterRegistry:
     """Uniquely named state adopters tried in order, and the hooks told of every outcome.
 
     Args:
-        strict (bool): whether every fallback -- an adopter that raises or whose result does not
-            match, a plugin that does not load, an outcome hook that raises -- raises
-            ``RuntimeError`` instead of being logged as a warning. Tests run strict.
+        strict (bool): every fallback (an adopter that raises or whose result does not match, a
+            plugin that does not load, an outcome hook that raises) raises ``RuntimeError``
+            instead of being logged as a warning. Tests run strict.
         plugin_group (str, optional): the entry-point group :meth:`load_plugins` reads.
     """
 
     def __init__(self, *, strict: bool = False, plugin_group: Optional[str] = None) -> None:
         self.strict = strict
         self._plugin_group = plugin_group
-        self._lock = threading.RLock()
-        self._adopters = _Handles(self._lock)
-        self._outcome_hooks = _Handles(self._lock)
+        self._lock, self._plugins_lock = threading.RLock(), threading.Lock()
+        self._adopters, self._outcome_hooks = _Handles(self._lock), _Handles(self._lock)
         self._sequence = itertools.count()
 
     def register(
         self, adopter: StateAdopter, prepend: bool = False, *, built_in: bool = False
     ) -> RemovableHandle:
-        """Register ``adopter`` after the others of its kind, or with ``prepend`` before all.
-
-        Args:
-            adopter (StateAdopter): the adopter; its ``name`` must be valid and unused.
-            prepend (bool): try it before every registered adopter.
-            built_in (bool): it is Megatron-Core's own; tried before plugins and code's.
+        """Register ``adopter`` after the others of its kind (``built_in``: Megatron-Core's own,
+        before plugins), or with ``prepend`` before all.
 
         Returns:
             torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters it.
@@ -91,22 +82,16 @@ class StateAdopterRegistry:
             TypeError: if ``adopter`` is no ``StateAdopter`` or its name is invalid.
             ValueError: if an adopter of that name is registered.
         """
-        tier = _PREPENDED if prepend else _BUILT_IN if built_in else _CODE
-        origin = "built-in" if built_in else "register"
-        return self._add(adopter, tier, origin)
+        return self._add(adopter, _PREPENDED if prepend else _BUILT_IN if built_in else _CODE)
 
     def registrations(self) -> Tuple[Tuple[StateAdopter, RemovableHandle], ...]:
-        """Return (adopter, handle) of every registered adopter, in the order they are tried."""
-        with self._lock:
-            entries = sorted(self._adopters.values(), key=lambda entry: entry.order)
-        return tuple((entry.item, entry.handle) for entry in entries)
+        """(adopter, handle) of every registered adopter, in the order they are tried."""
+        return tuple((entry.item, entry.handle) for entry in self._sorted(self._adopters))
 
-    def register_outcome_hook(self, hook: OutcomeHook, prepend: bool = False) -> RemovableHandle:
+    def register_outcome_hook(
+        self, hook: Callable[[AdoptionOutcome], None], prepend: bool = False
+    ) -> RemovableHandle:
         """Call ``hook(outcome)`` on this rank after every call that consults this registry.
-
-        Args:
-            hook (Callable[[AdoptionOutcome], None]): receives each outcome.
-            prepend (bool): call it before the hooks registered already.
 
         Returns:
             torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters it.
@@ -116,26 +101,20 @@ class StateAdopterRegistry:
         order = (_PREPENDED, -next(self._sequence)) if prepend else (_CODE, next(self._sequence))
         with self._lock:
             handle = RemovableHandle(self._outcome_hooks)
-            self._outcome_hooks[handle.id] = _Entry(hook, "hook", order, handle)
+            self._outcome_hooks[handle.id] = _Entry(hook, order, handle)
         return handle
 
     def report(self, outcome: AdoptionOutcome) -> None:
         """Hand ``outcome`` to every outcome hook; one that raises is a fallback, skipped."""
-        with self._lock:
-            hooks = sorted(self._outcome_hooks.values(), key=lambda entry: entry.order)
-        for entry in hooks:
+        for entry in self._sorted(self._outcome_hooks):
             try:
                 entry.item(outcome)
             except Exception as error:  # observing a load must not break it
                 self.fall_back(f"outcome hook {entry.item!r} raised", error)
 
     def fall_back(self, what: str, error: Optional[BaseException] = None) -> None:
-        """Log a fallback as a warning on this rank, or raise ``RuntimeError`` if strict.
-
-        Args:
-            what (str): what failed and what runs instead.
-            error (BaseException, optional): the exception behind it.
-        """
+        """Log ``what`` failed (and runs instead) as a warning on this rank; raise
+        ``RuntimeError`` instead if strict."""
         message = f"Optimizer state adoption: {what}"
         if error is not None:
             message += f" ({type(error).__name__}: {error})"
@@ -145,23 +124,23 @@ class StateAdopterRegistry:
 
     def load_plugins(self) -> None:
         """Register the installed plugins' adopters, once; a broken one is a fallback."""
-        with self._lock:
+        with self._plugins_lock:  # a concurrent caller waits until they are registered
             group, self._plugin_group = self._plugin_group, None
-        if group is None:
-            return
-        for entry_point in sorted(entry_points(group=group), key=lambda ep: ep.name):
-            dist = getattr(entry_point, "dist", None)
-            origin = f"entry point {entry_point.name} = {entry_point.value}" + (
-                f" ({dist.name} {dist.version})" if dist is not None else ""
-            )
-            try:
-                self._add(entry_point.load()(), _PLUGIN, origin, entry_point.name)
-            except Exception as error:  # a plugin must not break checkpoint loading
-                self.fall_back(f"the plugin from {origin} is skipped", error)
+            for entry_point in sorted(entry_points(group=group or ""), key=lambda ep: ep.name):
+                dist = getattr(entry_point, "dist", None)
+                origin = f"entry point {entry_point.name} = {entry_point.value}" + (
+                    f" ({dist.name} {dist.version})" if dist is not None else ""
+                )
+                try:
+                    self._add(entry_point.load()(), _PLUGIN, entry_point.name)
+                except Exception as error:  # a plugin must not break checkpoint loading
+                    self.fall_back(f"the plugin from {origin} is skipped", error)
 
-    def _add(
-        self, adopter: StateAdopter, tier: int, origin: str, key: Any = None
-    ) -> RemovableHandle:
+    def _sorted(self, entries: Dict[int, Any]) -> Tuple[_Entry, ...]:
+        with self._lock:
+            return tuple(sorted(entries.values(), key=lambda entry: entry.order))
+
+    def _add(self, adopter: StateAdopter, tier: int, key: Any = None) -> RemovableHandle:
         if not isinstance(adopter, StateAdopter):
             raise TypeError(f"{adopter!r} is not a StateAdopter")
         if not isinstance(adopter.name, str) or not _NAME.fullmatch(adopter.name):
@@ -172,15 +151,12 @@ class StateAdopterRegistry:
         if tier == _PLUGIN and adopter.name != key:
             raise ValueError(f"the adopter's name {adopter.name!r} is not the entry point's")
         with self._lock:
-            for entry in self._adopters.values():
-                if entry.item.name == adopter.name:
-                    raise ValueError(
-                        f"a state adopter named {adopter.name!r} is registered ({entry.origin})"
-                    )
+            if any(entry.item.name == adopter.name for entry in self._adopters.values()):
+                raise ValueError(f"a state adopter named {adopter.name!r} is registered")
             sequence = next(self._sequence)
-            order = (tier, -sequence if tier == _PREPENDED else key or sequence)
             handle = RemovableHandle(self._adopters)
-            self._adopters[handle.id] = _Entry(adopter, origin, order, handle)
+            order = (tier, -sequence if tier == _PREPENDED else key or sequence)
+            self._adopters[handle.id] = _Entry(adopter, order, handle)
         return handle
 
 
@@ -188,9 +164,5 @@ _DEFAULT_REGISTRY = StateAdopterRegistry(plugin_group=PLUGIN_GROUP)
 
 
 def default_registry() -> StateAdopterRegistry:
-    """Return the process-wide registry Megatron-Core's optimizers consult.
-
-    Returns:
-        StateAdopterRegistry: the built-in adopters, the loaded plugins and what was registered.
-    """
+    """The process-wide registry Megatron-Core's optimizers consult."""
     return _DEFAULT_REGISTRY

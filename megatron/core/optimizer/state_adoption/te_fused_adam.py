@@ -1,20 +1,29 @@
-"""The built-in adopter: Transformer Engine's FusedAdam with FP32 moments.
+"""The adopters of Transformer Engine's FusedAdam state.
 
-``FusedAdam.load_state_dict`` runs PyTorch's loader, then allocates a new tensor for every
-state and copies the incoming one into it while the caller still holds the incoming tensors:
-8 bytes per parameter of transient memory for FP32 Adam moments. With FP32 moments and no TE
-master weights, the incoming tensors have exactly the dtype, device and shape TE would allocate,
-and TE's ``step`` uses FP32 state as it is; this adopter runs only PyTorch's loader, which
-installs them by reference. For Megatron-FSDP it also lets TE's own ``step()`` create the state
-a checkpoint is read into without the dummy step's zero gradients (4 bytes per parameter).
+``FusedAdam.load_state_dict`` runs PyTorch's loader, then allocates a new tensor for every state
+and copies the incoming one into it while the caller still holds the incoming tensors.
 
-Transformer Engine releases (docs/te-releases.md): 1.13 to 2.20 allocate and copy on load and
-never scale FP32 state; ``store_param_remainders`` exists from 2.1 on (with the remainder mode),
-so only before 2.1 does its absence mean "off".
+:class:`TEFusedAdamFP32StateAdopter` (built in, registered): with FP32 moments and no TE master
+weights the incoming tensors have the dtype, device and shape TE would allocate, and TE's step
+uses FP32 state as it is, so PyTorch's loader alone installs them by reference: 8 bytes per
+parameter less at the load peak. For Megatron-FSDP, TE's own step without gradients creates the
+state a checkpoint is read into, without the dummy step's zero gradients.
+
+:class:`TEFusedAdamPrecisionAwareStateAdopter` (built in, opt-in): BF16 moments and master
+weights (FP32 or int16 remainders), where a ``dp_reshardable`` resume reads into FP32 copies,
+exports FP32 copies and rebuilds the state in TE's loader. It installs MCore's scaffold by
+reference (with TE's scales of one), exports the held tensors, offers the held BF16 moments as
+read targets (``torch_dist`` casts into them bit for bit as TE's ``copy_(fp32.bfloat16())``) and
+stores the payload into the held state as TE converts it.
+
+Each declines what it cannot prove equal to TE's result. TE releases (docs/te-releases.md):
+1.13 to 2.20 allocate and copy on load; ``store_param_remainders`` exists from 2.1 on.
 """
 
 import sys
-from typing import Any, List, Mapping, Optional, Tuple
+from dataclasses import replace
+from functools import partial
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from packaging.version import InvalidVersion, Version
@@ -22,33 +31,41 @@ from packaging.version import InvalidVersion, Version
 from megatron.core.utils import get_te_version
 
 from .adopter import AdoptionContext, StateAdopter
-from .checks import first_problem, incoming_state_problem, local, owner_problem, params_of
+from .checks import (
+    ExpectedState,
+    first_problem,
+    held_extents,
+    held_state_dict,
+    incoming_state_problem,
+    local,
+    owner_problem,
+    paired_state,
+    param_groups_problem,
+    params_of,
+    same_memory,
+    tensor_problem,
+)
 
-__all__: List[str] = []
+__all__ = ["TEFusedAdamPrecisionAwareStateAdopter"]
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-_FUSED_ADAM_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
 # FusedAdam methods that allocate, scale or expose state: overriding one may rely on TE's loader.
-_STATE_METHODS = (
-    "load_state_dict",
-    "state_dict",
-    "initialize_state",
-    "_initialize_state",
-    "set_scaled_state",
-    "get_unscaled_state",
-    "_apply_scale",
+_STATE_METHODS = tuple(
+    "load_state_dict state_dict initialize_state _initialize_state set_scaled_state "
+    "get_unscaled_state _apply_scale".split()
 )
 _FIRST_KNOWN, _FIRST_WITH_REMAINDERS = Version("1.13.0.dev0"), Version("2.1.0.dev0")
+#: Elements converted at a time: bounds the transient of a BF16 store to 8 MiB.
+STORE_CHUNK_ELEMENTS = 1 << 22
 
 
 def fused_adam_problem(
-    optimizer: Any,
-    fused_adam_class: Optional[type] = None,
-    methods: Tuple[str, ...] = _STATE_METHODS,
+    optimizer: Any, fused_adam_class: Optional[type], methods: Tuple[str, ...] = _STATE_METHODS
 ) -> Optional[str]:
-    """Accept TE's FusedAdam (found among the imported modules) and subclasses that keep its
-    ``methods``; decline one that overrides one of them, on its class or instance."""
-    fused_adam = fused_adam_class or getattr(sys.modules.get(_FUSED_ADAM_MODULE), "FusedAdam", None)
+    """Accept TE's FusedAdam (among the imported modules; TE is never imported here) and
+    subclasses and instances that do not override any of ``methods``."""
+    module = sys.modules.get("transformer_engine.pytorch.optimizers.fused_adam")
+    fused_adam = fused_adam_class or getattr(module, "FusedAdam", None)
     if not isinstance(fused_adam, type):
         return "Transformer Engine's FusedAdam is not loaded"
     cls = type(optimizer)
@@ -62,52 +79,26 @@ def fused_adam_problem(
     return None
 
 
-def _remainders_problem(optimizer: Any, te_version: Optional[Version]) -> Optional[str]:
-    """Accept ``store_param_remainders`` off, or absent in a release without that mode."""
-    if hasattr(optimizer, "store_param_remainders"):
-        return (
-            "FusedAdam.store_param_remainders is set" if optimizer.store_param_remainders else None
+class _TEFusedAdamAdopter(StateAdopter):
+    """The class both recognise (``fused_adam_class``: a stand-in in CPU tests; default TE's),
+    the device type of every parameter and state tensor, and the owner's precision mode."""
+
+    precision_aware = False
+
+    def __init__(self, fused_adam_class: Optional[type] = None, device_type: str = "cuda") -> None:
+        self._fused_adam_class, self._device_type = fused_adam_class, device_type
+
+    def _mode_problem(self, context: AdoptionContext, settings_problem: Any) -> Optional[str]:
+        return first_problem(
+            lambda: owner_problem(context, self.precision_aware),
+            lambda: fused_adam_problem(context.optimizer, self._fused_adam_class),
+            lambda: settings_problem(context.optimizer),
         )
-    if te_version is None:
-        return "FusedAdam has no 'store_param_remainders' and the TE release is unknown"
-    if te_version < _FIRST_KNOWN:
-        return (
-            f"Transformer Engine {te_version} predates 1.13, the first release this adopter knows"
-        )
-    if te_version >= _FIRST_WITH_REMAINDERS:
-        return (
-            f"FusedAdam has no 'store_param_remainders', which Transformer Engine {te_version} sets"
-        )
-    return None
 
 
-def _fp32_settings_problem(optimizer: Any, te_version: Optional[Version]) -> Optional[str]:
-    """Accept only FP32 moments without TE master weights or param remainders."""
-    if not hasattr(optimizer, "master_weights"):
-        return "FusedAdam has no 'master_weights'"
-    if optimizer.master_weights:
-        return "FusedAdam.master_weights is set"
-    reason = _remainders_problem(optimizer, te_version)
-    if reason is not None:
-        return reason
-    dtypes = getattr(optimizer, "name_to_dtype_map", None)
-    if not isinstance(dtypes, Mapping):
-        return "FusedAdam has no 'name_to_dtype_map'"
-    for key in MOMENT_KEYS:
-        if dtypes.get(key) is not torch.float32:
-            return f"FusedAdam keeps {key} in {dtypes.get(key)}, not torch.float32"
-    return None
-
-
-class TEFusedAdamFP32StateAdopter(StateAdopter):
-    """Installs FP32 Adam moments into TE FusedAdam by reference.
-
-    Args:
-        fused_adam_class (type, optional): the class to recognise; defaults to TE's, looked up
-            among the imported modules (TE is never imported here). CPU tests pass a stand-in.
-        device_type (str): the device type of every parameter and moment.
-        te_version (str, optional): the TE release; defaults to ``get_te_version()``.
-    """
+class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
+    """Installs FP32 Adam moments into TE FusedAdam by reference (``te_version``: the TE
+    release, default ``get_te_version()``)."""
 
     name = "te_fused_adam_fp32"
 
@@ -117,65 +108,226 @@ class TEFusedAdamFP32StateAdopter(StateAdopter):
         device_type: str = "cuda",
         te_version: Optional[str] = None,
     ) -> None:
-        self._fused_adam_class = fused_adam_class
-        self._device_type = device_type
+        super().__init__(fused_adam_class, device_type)
         self._te_version = te_version
 
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """None if every eligibility rule holds, else the first that fails."""
+        fp32 = dict.fromkeys(MOMENT_KEYS, torch.float32)
         return first_problem(
-            lambda: self._optimizer_problem(context),
-            lambda: incoming_state_problem(
-                context,
-                self._param_problem,
-                lambda param: dict.fromkeys(MOMENT_KEYS, torch.float32),
-            ),
+            lambda: self._mode_problem(context, self._settings_problem),
+            lambda: incoming_state_problem(context, self._param_problem, lambda param: fp32),
         )
 
     def adopt(self, context: AdoptionContext) -> None:
-        """Run PyTorch's loader, FusedAdam's first half: it installs the groups (TE's per-group
-        ``step`` included) and keeps tensors of the parameter's dtype and device as they are."""
+        """PyTorch's loader (FusedAdam's first half): installs the groups, TE's ``step``
+        included, and keeps tensors of the parameter's dtype and device as they are."""
         assert context.state_dict is not None
         torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Accept what ``decline_reason`` accepts of the optimizer and its parameters: TE's step
-        creates every parameter's state (zeroed moments) and advances each group's ``step``
-        before it skips parameters without gradients, and launches no kernel then."""
-
-        def params_problem() -> Optional[str]:
-            for index, param in enumerate(params_of(context.optimizer)):
-                reason = self._param_problem(param)
-                if reason is not None:
-                    return f"parameter {index}: {reason}"
-            return None
-
+        """Accept what the load accepts of the optimizer and its parameters: TE's step creates
+        every parameter's zeroed moments and advances each group's ``step`` before it skips the
+        parameters without gradients, launching no kernel."""
         return first_problem(
-            lambda: self._optimizer_problem(context),
+            lambda: self._mode_problem(context, self._settings_problem),
             lambda: fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",)),
-            params_problem,
+            lambda: next(
+                (
+                    f"parameter {i}: {r}"
+                    for i, p in enumerate(params_of(context.optimizer))
+                    if (r := self._param_problem(p))
+                ),
+                None,
+            ),
         )
 
-    def _optimizer_problem(self, context: AdoptionContext) -> Optional[str]:
-        """The owner's mode, TE's class and the instance's FP32 settings."""
+    def _settings_problem(self, optimizer: Any) -> Optional[str]:
+        """FP32 moments, no master weights, no remainders (absent only before TE 2.1)."""
         try:
-            te_version: Optional[Version] = (
-                Version(self._te_version) if self._te_version is not None else get_te_version()
-            )
+            te_version = Version(self._te_version) if self._te_version else get_te_version()
         except InvalidVersion:
             te_version = None
-        return first_problem(
-            lambda: owner_problem(context, precision_aware=False),
-            lambda: fused_adam_problem(context.optimizer, self._fused_adam_class),
-            lambda: _fp32_settings_problem(context.optimizer, te_version),
+        dtypes = getattr(optimizer, "name_to_dtype_map", None)
+        if not hasattr(optimizer, "master_weights") or not isinstance(dtypes, Mapping):
+            return "FusedAdam has no 'master_weights' or 'name_to_dtype_map'"
+        if optimizer.master_weights:
+            return "FusedAdam.master_weights is set"
+        if getattr(optimizer, "store_param_remainders", False):
+            return "FusedAdam.store_param_remainders is set"
+        if not hasattr(optimizer, "store_param_remainders"):
+            if te_version is None:
+                return "FusedAdam has no 'store_param_remainders' and the TE release is unknown"
+            if te_version < _FIRST_KNOWN:
+                return f"Transformer Engine {te_version} predates 1.13, the first release known"
+            if te_version >= _FIRST_WITH_REMAINDERS:
+                return f"FusedAdam has no 'store_param_remainders', which TE {te_version} sets"
+        wrong = [key for key in MOMENT_KEYS if dtypes.get(key) is not torch.float32]
+        return (
+            f"FusedAdam keeps {wrong[0]} in {dtypes.get(wrong[0])}, not torch.float32"
+            if wrong
+            else None
         )
 
     def _param_problem(self, param: torch.Tensor) -> Optional[str]:
-        """Accept plain FP32 parameters on the device type, or DTensors of them (Megatron-FSDP)."""
+        """Plain FP32 parameters on the device type, or DTensors of them (Megatron-FSDP)."""
         if type(local(param)) not in (torch.Tensor, torch.nn.Parameter):
             return f"is a {type(param).__name__}, not a plain tensor or a DTensor of one"
-        if param.dtype != torch.float32:
-            return f"is {param.dtype}, not torch.float32"
-        if param.device.type != self._device_type:
-            return f"is on {param.device}, not on {self._device_type}"
+        if param.dtype != torch.float32 or param.device.type != self._device_type:
+            return f"is {param.dtype} on {param.device}, not torch.float32 on {self._device_type}"
         return None
+
+
+class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
+    """Loads, exports and reads TE FusedAdam's BF16-moment state without copies (opt-in:
+    register it, or install a plugin whose entry point names it)."""
+
+    name = "te_fused_adam_precision_aware"
+    precision_aware = True
+
+    def decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Accept a payload to store into the held state, or a scaffold to install."""
+        reason = self._mode_problem(context, _bf16_settings_problem)
+        payload = reason or self._payload_problem(context)
+        if payload is None:
+            return None
+        expected = partial(_expected, context.optimizer)
+        scaffold = reason or incoming_state_problem(context, self._param_problem, expected)
+        if scaffold is None:
+            return None
+        return reason or f"no payload ({payload}), no scaffold ({scaffold})"
+
+    def adopt(self, context: AdoptionContext) -> None:
+        """Install the scaffold by reference, or store the payload into the held tensors."""
+        optimizer: Any = context.optimizer
+        assert context.state_dict is not None
+        pairs, payload = (
+            list(paired_state(optimizer, context.state_dict)),
+            self._payload_problem(context) is None,
+        )
+        held = {id(param): optimizer.state.get(param) for _, param, _ in pairs}
+        # PyTorch's loader would cast master weights to the BF16 parameters' dtype: groups only.
+        torch.optim.Optimizer.load_state_dict(
+            optimizer, {"state": {}, "param_groups": list(context.state_dict["param_groups"])}
+        )
+        for _, param, incoming in pairs:
+            if payload:
+                optimizer.state[param] = held[id(param)]
+                for key, value in incoming.items():
+                    _store_as_te_loads(value, held[id(param)][key])
+                continue
+            optimizer.state[param] = dict(incoming)
+            for key in incoming:  # TE's _initialize_state gives every non-FP32 state a scale
+                if optimizer.name_to_dtype_map[key] != torch.float32:
+                    scale = torch.ones([1], dtype=torch.float32, device=param.device)
+                    optimizer._scales.setdefault(param, {})[key] = scale
+
+    def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Accept a held state laid out as TE's loader leaves it, with scales of one."""
+        return first_problem(
+            lambda: self._mode_problem(context, _bf16_settings_problem),
+            lambda: self._held_problem(context),
+        )
+
+    def export_state_dict(self, context: AdoptionContext) -> Dict[str, Any]:
+        """PyTorch's state dict of the FusedAdam: its groups and the held tensors themselves."""
+        return held_state_dict(context.optimizer)
+
+    def read_target_decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Accept what the export accepts, for an optimizer that has not stepped (a read
+        failing midway would overwrite trained state)."""
+        if any(group.get("step") for group in context.optimizer.param_groups):
+            return "a param group has stepped: its held state may be trained state"
+        return self.export_decline_reason(context)
+
+    def read_target(self, context: AdoptionContext, param: torch.Tensor, name: str) -> torch.Tensor:
+        """The held BF16 moment; for master weights TE's own target (the held tensor)."""
+        optimizer: Any = context.optimizer
+        target = (
+            optimizer.state[param][name]
+            if name in MOMENT_KEYS
+            else optimizer.get_unscaled_state(param, name)
+        )
+        return target  # type: ignore[no-any-return]
+
+    def _param_problem(self, param: torch.Tensor) -> Optional[str]:
+        """Plain floating-point parameters on the device type."""
+        if type(param) not in (torch.Tensor, torch.nn.Parameter):
+            return f"a parameter is a {type(param).__name__}, not a plain tensor"
+        if not param.is_floating_point() or param.device.type != self._device_type:
+            return f"a parameter is {param.dtype} on {param.device}"
+        return None
+
+    def _held_problem(self, context: AdoptionContext) -> Optional[str]:
+        """Every parameter holds the state TE's loader lays out, each BF16 scale one."""
+        optimizer: Any = context.optimizer
+        if not optimizer.state:
+            return "the optimizer holds no state yet"
+        held = replace(context, state_dict=held_state_dict(optimizer), owns_state_dict=False)
+        reason = incoming_state_problem(held, self._param_problem, partial(_expected, optimizer))
+        if reason is not None:
+            return f"the held state: {reason.replace('incoming ', '')}"
+        for index, param in enumerate(params_of(optimizer)):
+            for key, dtype in _expected(optimizer, param).items():
+                scale = optimizer._scales.get(param, {}).get(key)
+                one = isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.item() == 1
+                if dtype == torch.bfloat16 and not one:
+                    return f"parameter {index}: the scale of held {key} is not one"
+        return None
+
+    def _payload_problem(self, context: AdoptionContext) -> Optional[str]:
+        """Each incoming value is the held tensor, or FP32 for a held BF16 state overlapping
+        nothing held."""
+        optimizer, given = context.optimizer, context.state_dict
+        reason = param_groups_problem(optimizer, given) or self._held_problem(context)
+        if reason is not None or given is None:
+            return reason
+        if len(given["state"]) != len(params_of(optimizer)):
+            return "the incoming state does not hold exactly one entry per parameter"
+        extents = held_extents(optimizer)
+        for index, param, incoming in paired_state(optimizer, given):
+            held = optimizer.state[param]
+            if not isinstance(incoming, dict) or set(incoming) != set(held):
+                return f"parameter {index}: the incoming state does not have the held keys"
+            for key, value in incoming.items():
+                if same_memory(value, held[key]):
+                    continue
+                reason = None if held[key].dtype == torch.bfloat16 else "is not the held tensor"
+                reason = reason or tensor_problem(value, torch.float32, param)
+                overlapped = None if reason else extents.add(value, f"incoming {key}")
+                if reason or overlapped:
+                    return f"parameter {index}: incoming {key} {reason or f'overlaps {overlapped}'}"
+        return None
+
+
+def _bf16_settings_problem(optimizer: Any) -> Optional[str]:
+    """BF16 moments; with master weights, FP32 ones."""
+    for attribute in ("master_weights", "store_param_remainders", "name_to_dtype_map", "_scales"):
+        if not hasattr(optimizer, attribute):
+            return f"FusedAdam has no '{attribute}'"
+    dtypes = optimizer.name_to_dtype_map
+    wrong = [key for key in MOMENT_KEYS if dtypes.get(key) is not torch.bfloat16]
+    if optimizer.master_weights and dtypes.get("master_param") is not torch.float32:
+        wrong.append("master_param")
+    return f"FusedAdam keeps {wrong[0]} in {dtypes.get(wrong[0])}" if wrong else None
+
+
+def _expected(optimizer: Any, param: torch.Tensor) -> ExpectedState:
+    """The keys and dtypes TE's loader leaves for ``param`` under the precision-aware optimizer."""
+    expected = dict.fromkeys(MOMENT_KEYS, torch.bfloat16)
+    if optimizer.master_weights:
+        remainders = optimizer.store_param_remainders and param.dtype == torch.bfloat16
+        expected["master_param"] = torch.int16 if remainders else torch.float32
+    return expected
+
+
+def _store_as_te_loads(value: torch.Tensor, held: torch.Tensor) -> None:
+    """Store ``value`` into a held BF16 state as TE's loader does, ``value.float().bfloat16()``
+    (round to nearest even, NaNs canonical), in chunks; a held state of another dtype is
+    ``value`` itself."""
+    if held.dtype != torch.bfloat16:
+        return
+    flat_value, flat_held = value.reshape(-1), held.reshape(-1)
+    for start in range(0, flat_held.numel(), STORE_CHUNK_ELEMENTS):
+        end = start + STORE_CHUNK_ELEMENTS
+        flat_held[start:end].copy_(flat_value[start:end].float().bfloat16())
