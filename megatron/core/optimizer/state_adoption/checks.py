@@ -22,16 +22,20 @@ _MISSING = object()
 
 def first_problem(*checks: Callable[[], Optional[str]]) -> Optional[str]:
     """Run ``checks`` in order (later ones may rely on earlier ones); return the first reason."""
-    for check in checks:
-        reason = check()
-        if reason is not None:
-            return reason
-    return None
+    return next((reason for reason in (check() for check in checks) if reason is not None), None)
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     """Every parameter of ``optimizer``, group by group (PyTorch's state-dict order)."""
     return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def tensors_of(state: Any) -> List[torch.Tensor]:
+    """The tensors of a list of tensors or of a ``{key: {name: value}}`` state mapping."""
+    if isinstance(state, Mapping):
+        entries = [e for e in state.values() if isinstance(e, Mapping)]
+        return [v for e in entries for v in e.values() if isinstance(v, torch.Tensor)]
+    return [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, list) else []
 
 
 def is_dtensor(value: Any) -> bool:
@@ -69,16 +73,16 @@ class Extents:
         ranges = self._ranges.get(storage, [])
         for other_start, other_end, label in reversed(ranges[: bisect.bisect_left(ranges, (end,))]):
             if other_end <= start:
-                break  # ranges are only added while disjoint (or equal), so none before reaches
+                break  # ranges are disjoint (or equal), so no earlier one reaches start
             if not (label == allowed and (other_start, other_end) == place[1:]):
                 return label
         return None
 
     def add(self, tensor: torch.Tensor, label: str, allowed: Optional[str] = None) -> Optional[str]:
-        """Add ``tensor``'s range; return the label of one it overlaps (see :meth:`overlap`)."""
-        overlapped = self.overlap(tensor, allowed)
-        place = extent(tensor)
-        if place is not None:
+        """Add ``tensor``'s range unless it overlaps one (see :meth:`overlap`): then return that
+        one's label (so the ranges stay disjoint, or equal where allowed)."""
+        overlapped, place = self.overlap(tensor, allowed), extent(tensor)
+        if place is not None and overlapped is None:
             bisect.insort(self._ranges.setdefault(place[0], []), (place[1], place[2], label))
         return overlapped
 
@@ -236,17 +240,13 @@ def _entry_problem(
 
 
 def same_memory(tensor: Any, other: Any) -> bool:
-    """Whether two tensors are the same elements of the same memory (a tensor or an alias)."""
+    """Whether two tensors are the same elements of the same memory (a tensor or an alias; two
+    empty tensors of one layout share nothing to tell apart)."""
     if not (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor)):
         return False
     a, b = local(tensor), local(other)
-    same_place = a is b or extent(a) == extent(b) is not None
-    return same_place and (a.dtype, a.shape, a.stride(), a.device) == (
-        b.dtype,
-        b.shape,
-        b.stride(),
-        b.device,
-    )
+    layout = [(t.dtype, t.shape, t.stride(), t.device) for t in (a, b)]
+    return tensor is other or (layout[0] == layout[1] and extent(a) == extent(b))
 
 
 def same_value(installed: Any, given: Any) -> bool:
@@ -296,14 +296,10 @@ def installed_state_problem(
     if any(isinstance(key, torch.Tensor) and id(key) not in known for key in optimizer.state):
         return "there is state for a tensor that is no parameter of the optimizer"
     earlier = Extents()
-    for entries, what in (
-        (held.values(), "a tensor held before"),
-        (given["state"].values(), "an incoming tensor"),
-    ):
-        for entry in entries:
-            for value in entry.values() if isinstance(entry, Mapping) else ():
-                if isinstance(value, torch.Tensor):
-                    earlier.add(value, what)
+    for value in tensors_of(held):
+        earlier.add(value, "a tensor held before")
+    for value in tensors_of(given["state"]):
+        earlier.add(value, "an incoming tensor")
     ids = chain.from_iterable(group["params"] for group in given["param_groups"])
     for index, (state_id, param) in enumerate(zip(ids, flat)):
         entry, source = optimizer.state.get(param), given["state"].get(state_id)

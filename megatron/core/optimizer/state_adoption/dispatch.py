@@ -11,8 +11,8 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from .adopter import AdoptionContext, StateAdopter
-from .checks import local, params_of
-from .outcome import AdoptionOutcome, Existing, describe, log, tensors_of
+from .checks import local, params_of, tensors_of
+from .outcome import AdoptionOutcome, Existing, describe, log
 from .registry import StateAdopterRegistry, default_registry
 
 __all__: List[str] = []

@@ -10,7 +10,7 @@ import torch
 
 from megatron.core.utils import log_single_rank
 
-from .checks import extent, local, params_of
+from .checks import extent, local, params_of, tensors_of
 
 __all__ = ["AdoptionOutcome"]
 
@@ -65,14 +65,6 @@ def describe(optimizer: torch.optim.Optimizer) -> str:
         return f"{name} ({len(params)} params, {sum(local(p).numel() for p in params):,} elements)"
     except Exception:  # a malformed optimizer is reported by its own code
         return name
-
-
-def tensors_of(state: Any) -> List[torch.Tensor]:
-    """The tensors of a list of tensors or of a ``{key: {name: value}}`` state mapping."""
-    if isinstance(state, Mapping):
-        entries = [e for e in state.values() if isinstance(e, Mapping)]
-        return [v for e in entries for v in e.values() if isinstance(v, torch.Tensor)]
-    return [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, list) else []
 
 
 class Existing:

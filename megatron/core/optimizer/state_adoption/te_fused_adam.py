@@ -149,8 +149,8 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         except InvalidVersion:
             te_version = None
         dtypes = getattr(optimizer, "name_to_dtype_map", None)
-        if not hasattr(optimizer, "master_weights") or not isinstance(dtypes, Mapping):
-            return "FusedAdam has no 'master_weights' or 'name_to_dtype_map'"
+        if not hasattr(optimizer, "master_weights"):
+            return "FusedAdam has no 'master_weights'"
         if optimizer.master_weights:
             return "FusedAdam.master_weights is set"
         if getattr(optimizer, "store_param_remainders", False):
@@ -159,9 +159,11 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
             if te_version is None:
                 return "FusedAdam has no 'store_param_remainders' and the TE release is unknown"
             if te_version < _FIRST_KNOWN:
-                return f"Transformer Engine {te_version} predates 1.13, the first release known"
+                return f"Transformer Engine {te_version} predates 1.13, the first release this adopter knows"
             if te_version >= _FIRST_WITH_REMAINDERS:
-                return f"FusedAdam has no 'store_param_remainders', which TE {te_version} sets"
+                return f"FusedAdam has no 'store_param_remainders', which Transformer Engine {te_version} sets"
+        if not isinstance(dtypes, Mapping):
+            return "FusedAdam has no 'name_to_dtype_map'"
         wrong = [key for key in MOMENT_KEYS if dtypes.get(key) is not torch.float32]
         return (
             f"FusedAdam keeps {wrong[0]} in {dtypes.get(wrong[0])}, not torch.float32"
@@ -173,8 +175,10 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         """Plain FP32 parameters on the device type, or DTensors of them (Megatron-FSDP)."""
         if type(local(param)) not in (torch.Tensor, torch.nn.Parameter):
             return f"is a {type(param).__name__}, not a plain tensor or a DTensor of one"
-        if param.dtype != torch.float32 or param.device.type != self._device_type:
-            return f"is {param.dtype} on {param.device}, not torch.float32 on {self._device_type}"
+        if param.dtype != torch.float32:
+            return f"is {param.dtype}, not torch.float32"
+        if param.device.type != self._device_type:
+            return f"is on {param.device}, not on {self._device_type}"
         return None
 
 
