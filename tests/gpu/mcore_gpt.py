@@ -135,6 +135,7 @@ class BenchmarkCase:
     moe_fold_experts: bool = False
     moment_dtype: str = "bfloat16"
     param_remainders: bool = True
+    adoption: bool = True  # OptimizerConfig.optimizer_state_adoption (False: upstream's path)
 
 
 def make_case(
@@ -362,6 +363,7 @@ def optimizer_config(case: BenchmarkCase) -> OptimizerConfig:
         bf16=True,
         params_dtype=torch.bfloat16,
         use_distributed_optimizer=True,
+        optimizer_state_adoption=case.adoption,
         **precision_kwargs,  # type: ignore[arg-type,unused-ignore]
     )
 

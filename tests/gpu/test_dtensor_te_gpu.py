@@ -12,14 +12,13 @@ from typing import Any, Iterator, List
 import pytest
 import torch
 import torch.distributed as dist
-from builders import Owner, ddp_config_with
+from builders import Owner, ddp_config_with, load_through, outcome_of, registry_of
 from gpu_requirements import gpu_only
 from te_optimizers import bitwise_equal
 
 from megatron.core.optimizer.state_adoption import (
     StateAdopterRegistry,
     initialize_inner_optimizer_state,
-    load_inner_optimizer_state_dict,
 )
 from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
@@ -67,9 +66,7 @@ def _locals(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 
 
 def _registry() -> StateAdopterRegistry:
-    registry = StateAdopterRegistry(entry_point_group=None)
-    registry.register(TEFusedAdamFP32StateAdopter())
-    return registry
+    return registry_of(TEFusedAdamFP32StateAdopter())
 
 
 def _fsdp_owner(optimizer: torch.optim.Optimizer) -> Owner:
@@ -81,12 +78,11 @@ def test_te_copies_dtensor_moments_and_the_adopter_installs_them_by_reference(me
     for optimizer in (adopted, own):
         for seed in range(2):
             _step(optimizer, mesh, seed)
-    own_outcome = load_inner_optimizer_state_dict(
-        _fsdp_owner(own), torch.optim.Optimizer.state_dict(own), registry=StateAdopterRegistry(entry_point_group=None)
-    )
+    fsdp = ddp_config_with(use_megatron_fsdp=True)
+    own_outcome = load_through(own, torch.optim.Optimizer.state_dict(own), registry_of(), False, ddp_config=fsdp)
     assert own_outcome.allocated_bytes == 8 * ELEMENTS and own_outcome.reused_bytes == 0  # TE copied
     incoming = torch.optim.Optimizer.state_dict(adopted)
-    outcome = load_inner_optimizer_state_dict(_fsdp_owner(adopted), incoming, registry=_registry())
+    outcome = load_through(adopted, incoming, _registry(), False, ddp_config=fsdp)
     assert outcome.adopter == "te_fused_adam_fp32" and outcome.allocated_bytes == 0
     assert outcome.reused_bytes == 8 * ELEMENTS
     assert bitwise_equal(_locals(adopted), _locals(own))
@@ -107,7 +103,10 @@ def test_te_step_without_gradients_creates_the_dummy_steps_state(mesh: Any) -> N
         dummy.step()
         dummy.zero_grad()
 
-    outcome = initialize_inner_optimizer_state(_fsdp_owner(ours), lambda: None, registry=_registry())
+    registry = _registry()
+    outcome = outcome_of(
+        registry, lambda: initialize_inner_optimizer_state(_fsdp_owner(ours), lambda: None, registry=registry)
+    )
     assert outcome.adopter == "te_fused_adam_fp32" and outcome.allocated_bytes == 8 * ELEMENTS
     dummy_step()
     assert all(p.grad is None for p in ours.param_groups[0]["params"])

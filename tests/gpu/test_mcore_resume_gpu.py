@@ -14,7 +14,7 @@ from gpu_requirements import gpu_only
 from mcore_runs import allocated_now, digests, free_cuda, step_with_peak, train_save_control
 from outcome_recording import exported_by, loaded_by, recorded_outcomes
 
-from megatron.core.optimizer.state_adoption import registered_state_adopters
+from megatron.core.optimizer.state_adoption import default_registry
 
 pytestmark = gpu_only
 
@@ -40,7 +40,7 @@ def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path:
             train_save_control(case, tmp_path / "checkpoint")
         free_cuda()
         return
-    extra_adopters = [a.name for a in registered_state_adopters() if a.name not in DEFAULT_ADOPTERS]
+    extra_adopters = [a.name for a, _ in default_registry().registrations() if a.name not in DEFAULT_ADOPTERS]
     if case.precision_aware and extra_adopters:
         pytest.skip(f"adopters {extra_adopters} are installed; test_precision_aware_plugin_gpu covers them")
     control = train_save_control(case, tmp_path / "checkpoint")

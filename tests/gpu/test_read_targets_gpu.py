@@ -4,7 +4,7 @@ A precision-aware DistributedOptimizer (the installed class, tests/mcore_owners.
 TE FusedAdam with BF16 moments and int16 master remainders builds its read targets inside
 ``reading_optimizer_state``; ``megatron.core.dist_checkpointing.load`` reads an FP32 checkpoint
 into them; ``_set_main_param_and_optimizer_states`` stores what was read. With a provider of
-the held BF16 moments (the test provider, and the precision-aware plugin when installed) the
+the held BF16 moments (the test provider, and the built-in precision-aware adopter) the
 read goes straight into the held tensors, allocates no FP32 copies, and the state and the next
 TE step are bit for bit those of upstream's path (FP32 copies, TE's ``set_scaled_state``).
 """
@@ -15,12 +15,17 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-from adopters_for_tests import HeldMomentReadTargets
+from adopters_for_tests import ReadTargets
+from builders import registry_of
 from gpu_requirements import gpu_only
 from mcore_owners import precision_aware_owner
 from te_optimizers import bitwise_equal, params_of, random_step, state_tensors
 
-from megatron.core.optimizer.state_adoption import StateAdopterRegistry, reading_optimizer_state
+from megatron.core.optimizer.state_adoption import (
+    StateAdopterRegistry,
+    TEFusedAdamPrecisionAwareStateAdopter,
+    reading_optimizer_state,
+)
 
 pytestmark = gpu_only
 
@@ -95,26 +100,19 @@ def _resume(owner: Any, registry: StateAdopterRegistry, directory: str) -> Tuple
     return targets, torch.cuda.max_memory_allocated() - before
 
 
-def _test_provider() -> Any:
-    return HeldMomentReadTargets()
-
-
-def _plugin() -> Any:
-    plugin = pytest.importorskip("mcore_te_precision_aware_adopter", reason="the plugin is not installed")
-    return plugin.TEFusedAdamPrecisionAwareStateAdopter()
-
-
-PROVIDERS: Dict[str, Callable[[], Any]] = {"test provider": _test_provider, "precision-aware plugin": _plugin}
+PROVIDERS: Dict[str, Callable[[], Any]] = {
+    "test provider": ReadTargets,
+    "precision-aware adopter": TEFusedAdamPrecisionAwareStateAdopter,
+}
 
 
 @pytest.mark.parametrize("provider", sorted(PROVIDERS))
 def test_the_checkpoint_is_read_into_the_held_moments_bit_for_bit_as_upstream(process_group: None, provider: str) -> None:
-    registry = StateAdopterRegistry(entry_point_group=None)
-    registry.register(PROVIDERS[provider]())
+    registry = registry_of(PROVIDERS[provider]())
     with tempfile.TemporaryDirectory() as directory:
         _save_checkpoint(directory)
         upstream, build = _owner(), _owner()
-        upstream_targets, upstream_peak = _resume(upstream, StateAdopterRegistry(entry_point_group=None), directory)
+        upstream_targets, upstream_peak = _resume(upstream, registry_of(), directory)
         held = {t.data_ptr() for entry in build.optimizer.state.values() for t in entry.values()}
         build_targets, build_peak = _resume(build, registry, directory)
     assert all(t.dtype == torch.float32 for ts in upstream_targets for k, t in ts.items() if k != "param")

@@ -1,8 +1,8 @@
 """Reliability with real TE FusedAdam and real Megatron-Core ``dist_checkpointing`` (GPU part).
 
 Each case loads the same ``torch_dist`` checkpoint twice in one process: through this build's
-adoption path and with the kill switch ``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1``, which is
-upstream's path (the inner optimizer's own loader). The outcomes must be the same -- the same
+adoption path and with ``OptimizerConfig.optimizer_state_adoption=False``, which is upstream's
+path (the inner optimizer's own loader). The outcomes must be the same -- the same
 error type and message, or the same loaded state -- and no file of the checkpoint may change.
 """
 
@@ -98,25 +98,22 @@ def _load_outcome(case: Any, checkpoint_dir: Path) -> Outcome:
     return outcome
 
 
-def _ours_and_upstream(case: Any, checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Tuple[Outcome, Outcome]:
+def _ours_and_upstream(case: Any, checkpoint_dir: Path) -> Tuple[Outcome, Outcome]:
     files = _file_hashes(checkpoint_dir)
-    monkeypatch.delenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", raising=False)
     ours = _load_outcome(case, checkpoint_dir)
-    monkeypatch.setenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", "1")
-    upstream = _load_outcome(case, checkpoint_dir)
-    monkeypatch.delenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION")
+    upstream = _load_outcome(dataclasses.replace(case, adoption=False), checkpoint_dir)
     assert _file_hashes(checkpoint_dir) == files, "a load changed the checkpoint on disk"
     print(f"outcome: {ours[0]}" + (f" {ours[1]}: {ours[2][:300]}" if ours[0] == "error" else ""))
     return ours, upstream
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
-def test_corrupted_checkpoint_gives_upstreams_outcome(corruption: str, tmp_path: Path, monkeypatch) -> None:
+def test_corrupted_checkpoint_gives_upstreams_outcome(corruption: str, tmp_path: Path) -> None:
     corrupt, must_fail = CORRUPTIONS[corruption]
     case = _case()
     train_save_control(case, tmp_path / "checkpoint")
     corrupt(tmp_path / "checkpoint")
-    ours, upstream = _ours_and_upstream(case, tmp_path / "checkpoint", monkeypatch)
+    ours, upstream = _ours_and_upstream(case, tmp_path / "checkpoint")
     assert ours == upstream
     if must_fail:
         assert ours[0] == "error" and ours[2], ours
@@ -127,16 +124,16 @@ def test_corrupted_checkpoint_gives_upstreams_outcome(corruption: str, tmp_path:
     [("precision_aware_bf16", FORMAT), (FORMAT, "precision_aware_bf16")],
     ids=["precision-aware checkpoint into FP32 run", "FP32 checkpoint into precision-aware run"],
 )
-def test_precision_mode_mismatch_gives_upstreams_outcome(saved: str, loaded: str, tmp_path: Path, monkeypatch) -> None:
+def test_precision_mode_mismatch_gives_upstreams_outcome(saved: str, loaded: str, tmp_path: Path) -> None:
     train_save_control(_case(saved), tmp_path / "checkpoint")
-    ours, upstream = _ours_and_upstream(_case(loaded), tmp_path / "checkpoint", monkeypatch)
+    ours, upstream = _ours_and_upstream(_case(loaded), tmp_path / "checkpoint")
     assert ours == upstream
 
 
-def test_checkpoint_of_another_model_size_is_upstreams_error(tmp_path: Path, monkeypatch) -> None:
+def test_checkpoint_of_another_model_size_is_upstreams_error(tmp_path: Path) -> None:
     train_save_control(_case(), tmp_path / "checkpoint")
     larger = _case(hidden_size=192, ffn_hidden_size=768)
-    ours, upstream = _ours_and_upstream(larger, tmp_path / "checkpoint", monkeypatch)
+    ours, upstream = _ours_and_upstream(larger, tmp_path / "checkpoint")
     assert ours == upstream
     assert ours[0] == "error" and ours[2], ours
 
@@ -183,7 +180,7 @@ def _load_cycles(
     return allocated, objects, Counter({k: v for k, v in growth.items() if v > 0})
 
 
-def test_twenty_load_cycles_keep_cuda_memory_flat_and_objects_as_upstream(tmp_path: Path, caplog, monkeypatch) -> None:
+def test_twenty_load_cycles_keep_cuda_memory_flat_and_objects_as_upstream(tmp_path: Path, caplog) -> None:
     """CUDA memory is flat; Python objects grow by nothing upstream's path does not grow by.
 
     pytest's own log capture keeps every LogRecord of the test (torch's checkpoint logger
@@ -193,11 +190,8 @@ def test_twenty_load_cycles_keep_cuda_memory_flat_and_objects_as_upstream(tmp_pa
     control = train_save_control(case, tmp_path / "checkpoint")
     runs = {}
     for label in ("upstream", "ours"):  # upstream's path first: it warms the caches
-        if label == "upstream":
-            monkeypatch.setenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", "1")
-        else:
-            monkeypatch.delenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION")
-        runs[label] = _load_cycles(case, tmp_path / "checkpoint", caplog, control["saved"], label == "ours")
+        cycled = dataclasses.replace(case, adoption=label == "ours")
+        runs[label] = _load_cycles(cycled, tmp_path / "checkpoint", caplog, control["saved"], label == "ours")
     for label, (allocated, objects, growth) in runs.items():
         print(f"{label}: allocated {allocated}; objects {objects}; growth by type (cycles 10-20) {dict(growth)}")
     allocated, _, growth = runs["ours"]

@@ -4,15 +4,11 @@ from typing import Any, Dict
 
 import pytest
 import torch
-from builders import Owner, make_context
+from builders import load_through, make_context, registry_of
 from gpu_requirements import gpu_only
 from te_optimizers import bitwise_equal, params_of, random_step, state_tensors
 
-from megatron.core.optimizer.state_adoption import (
-    StateAdopterRegistry,
-    StateAdoptionOutcome,
-    load_inner_optimizer_state_dict,
-)
+from megatron.core.optimizer.state_adoption import AdoptionOutcome, StateAdopterRegistry
 from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 pytestmark = gpu_only
@@ -38,15 +34,13 @@ def _trained(**kwargs: Any) -> torch.optim.Optimizer:
 
 
 def _registry() -> StateAdopterRegistry:
-    """Only the default adopter, as the build registers it, without entry-point discovery."""
-    registry = StateAdopterRegistry(entry_point_group=None)
-    registry.register(TEFusedAdamFP32StateAdopter())
-    return registry
+    """Only the default adopter, as the build registers it (strict)."""
+    return registry_of(TEFusedAdamFP32StateAdopter())
 
 
-def _load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> StateAdoptionOutcome:
-    """Load through the loader, as a DistributedOptimizer does, with only the default adopter."""
-    return load_inner_optimizer_state_dict(Owner(optimizer), state_dict, registry=_registry())
+def _load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> AdoptionOutcome:
+    """Load as a DistributedOptimizer's main branch does, with only the default adopter."""
+    return load_through(optimizer, state_dict, _registry())
 
 
 def _moment_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -76,7 +70,7 @@ def test_adoption_installs_by_reference_without_allocating() -> None:
     torch.cuda.synchronize()
     allocations_before = torch.cuda.memory_stats()["allocation.all.allocated"]
     allocated_before = torch.cuda.memory_allocated()
-    outcome = load_inner_optimizer_state_dict(Owner(optimizer), payload, registry=registry)
+    outcome = load_through(optimizer, payload, registry)
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations_before
     assert torch.cuda.memory_allocated() == allocated_before
@@ -92,9 +86,7 @@ def test_te_own_loader_allocates_a_second_copy() -> None:
     payload = _payload(_trained())
     torch.cuda.synchronize()
     allocated_before = torch.cuda.memory_allocated()
-    outcome = load_inner_optimizer_state_dict(
-        Owner(optimizer), payload, registry=StateAdopterRegistry(entry_point_group=None)
-    )
+    outcome = load_through(optimizer, payload, registry_of())
     torch.cuda.synchronize()
     assert outcome.adopter is None and outcome.method == "FusedAdam.load_state_dict"
     assert torch.cuda.memory_allocated() - allocated_before >= _moment_bytes(optimizer)

@@ -1,19 +1,18 @@
-"""The opt-in precision-aware plugin (examples/te-precision-aware-adopter) with real TE.
+"""The opt-in precision-aware adopter (built in, not registered by default) with real TE.
 
-Skipped, with the reason, unless the plugin is installed
-(``pip install examples/te-precision-aware-adopter``). Checks both of Megatron-Core's load
-passes against TE's own loader with real FusedAdam (BF16 moments, TE master weights), and a
-real MCore precision-aware resume: which loader installed the state, bitwise equality with
-the uninterrupted run, and a lower load peak than TE's loader in the same process.
+Checks both of Megatron-Core's load passes against TE's own loader with real FusedAdam (BF16
+moments, TE master weights), and a real MCore precision-aware resume: which loader installed
+the state, bitwise equality with the uninterrupted run, and a lower load peak than TE's loader
+in the same process.
 """
 
 import types
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 import torch
-from builders import Owner
+from builders import Owner, load_through, outcome_of, registry_of
 from gpu_requirements import gpu_only
 from te_optimizers import bitwise_equal, params_of, random_step, state_tensors
 from mcore_runs import (
@@ -26,25 +25,20 @@ from mcore_runs import (
 )
 from outcome_recording import exported_by, loaded_by, recorded_outcomes
 
-from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.state_adoption import (
     StateAdopterRegistry,
+    TEFusedAdamPrecisionAwareStateAdopter,
+    default_registry,
     export_inner_optimizer_state_dict,
     load_inner_optimizer_state_dict,
-    register_state_adopter,
-    registered_state_adopters,
 )
-from megatron.core.optimizer.state_adoption.testing import assert_adoption_matches_own_loader
 
 pytestmark = gpu_only
+NAME = TEFusedAdamPrecisionAwareStateAdopter.name
 
-plugin = pytest.importorskip(
-    "mcore_te_precision_aware_adopter",
-    reason="the plugin is not installed (pip install examples/te-precision-aware-adopter)",
+PRECISION_AWARE = types.SimpleNamespace(
+    use_precision_aware_optimizer=True, optimizer_cpu_offload=False, optimizer_state_adoption=True
 )
-
-PRECISION_AWARE = types.SimpleNamespace(use_precision_aware_optimizer=True, optimizer_cpu_offload=False)
-CONTEXT_KWARGS = {"config": PRECISION_AWARE, "ddp_config": DistributedDataParallelConfig()}
 SHAPES = [(1 << 20,), (512, 256), (1000,)]
 MODES: Dict[str, Dict[str, Any]] = {
     "master remainders": dict(master_weights=True, store_param_remainders=True),
@@ -80,31 +74,38 @@ def _loaded(mode: str) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _adopter() -> Any:
-    return plugin.TEFusedAdamPrecisionAwareStateAdopter()
-
-
 def _registry() -> StateAdopterRegistry:
-    """Only the plugin's adopter, without entry-point discovery."""
-    registry = StateAdopterRegistry(entry_point_group=None)
-    registry.register(_adopter())
-    return registry
+    """Only the precision-aware adopter (strict)."""
+    return registry_of(TEFusedAdamPrecisionAwareStateAdopter())
+
+
+def _same_as_te(adopted: torch.optim.Optimizer, by_te: torch.optim.Optimizer) -> None:
+    assert bitwise_equal(state_tensors(adopted), state_tensors(by_te))
+    strip = lambda o: [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]  # noqa: E731
+    assert strip(adopted) == strip(by_te)
+    assert {k: v.item() for p in params_of(adopted) for k, v in adopted._scales.get(p, {}).items()} == {
+        k: v.item() for p in params_of(by_te) for k, v in by_te._scales.get(p, {}).items()
+    }
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_scaffold_pass_equals_te_loader(mode: str) -> None:
-    assert_adoption_matches_own_loader(_adopter(), lambda: _fused_adam(mode), lambda: _scaffold(mode), CONTEXT_KWARGS)
+def test_scaffold_pass_installs_by_reference_equal_to_te_loader(mode: str) -> None:
+    adopted, by_te, scaffold = _fused_adam(mode), _fused_adam(mode), _scaffold(mode)
+    outcome = load_through(adopted, scaffold, _registry(), config=PRECISION_AWARE)
+    assert outcome.adopter == NAME and outcome.allocated_bytes == 0
+    assert all(t is scaffold["state"][i][k] for i, p in enumerate(params_of(adopted)) for k, t in adopted.state[p].items())
+    by_te.load_state_dict(_scaffold(mode))
+    _same_as_te(adopted, by_te)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_payload_pass_keeps_held_state_equal_to_te_loader(mode: str) -> None:
-    made: List[torch.optim.Optimizer] = []
-
-    def make_optimizer() -> torch.optim.Optimizer:
-        made.append(_loaded(mode))
-        return made[-1]
-
-    assert_adoption_matches_own_loader(_adopter(), make_optimizer, lambda: made[-1].state_dict(), CONTEXT_KWARGS)
+    adopted, by_te = _loaded(mode), _loaded(mode)
+    held = state_tensors(adopted)
+    outcome = load_through(adopted, adopted.state_dict(), _registry(), config=PRECISION_AWARE)
+    assert outcome.adopter == NAME and all(a is b for a, b in zip(state_tensors(adopted), held))
+    by_te.load_state_dict(by_te.state_dict())
+    _same_as_te(adopted, by_te)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -114,7 +115,7 @@ def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) 
     owner, registry = Owner(adopted, config=PRECISION_AWARE), _registry()
     peaks = []
     for optimizer, load in (
-        (adopted, lambda sd: load_inner_optimizer_state_dict(owner, sd, registry=registry)),
+        (adopted, lambda sd: load_inner_optimizer_state_dict(owner, sd, owns_state_dict=True, registry=registry)),
         (by_te, by_te.load_state_dict),
     ):
         state_dict = optimizer.state_dict()
@@ -136,43 +137,41 @@ def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) 
     assert bitwise_equal(state_tensors(adopted), state_tensors(by_te))
 
 
-def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog, monkeypatch) -> None:
+def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog) -> None:
     from mcore_gpt import PRESETS, build_gpt_and_optimizer, distributed_optimizers, make_case
 
-    name = plugin.TEFusedAdamPrecisionAwareStateAdopter.name
-    handle = None
-    if name not in [a.name for a in registered_state_adopters()]:  # importable but not installed
-        handle = register_state_adopter(_adopter())
-    try:
-        case = make_case("precision_aware_bf16", PRESETS["tiny"])
-        control = train_save_control(case, tmp_path / "checkpoint")
-        peaks = {}
-        for label in ("te_loader", "plugin"):
-            if label == "te_loader":
-                monkeypatch.setenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION", "1")
-            else:
-                monkeypatch.delenv("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION")
+    case = make_case("precision_aware_bf16", PRESETS["tiny"])
+    control = train_save_control(case, tmp_path / "checkpoint")
+    peaks = {}
+    for label in ("te_loader", "opted_in"):
+        registered = [a.name for a, _ in default_registry().registrations()]
+        handle = None
+        if label == "opted_in" and NAME not in registered:
+            handle = default_registry().register(TEFusedAdamPrecisionAwareStateAdopter())
+        elif label == "te_loader" and NAME in registered:
+            pytest.skip(f"{NAME} is registered in this process (its plugin is installed)")
+        try:
             caplog.clear()
             start = allocated_now()
             model_chunks, optimizer = build_gpt_and_optimizer(case)
             inner_optimizers = len(list(distributed_optimizers(optimizer)))
             with recorded_outcomes() as outcomes:
                 peaks[label] = load_with_peak(model_chunks, optimizer, case, tmp_path / "checkpoint", caplog)
-            if label == "plugin":  # scaffold pass: nothing held to export; payload pass: exported
-                assert loaded_by(outcomes) == [name] * 2 * inner_optimizers, outcomes
-                assert sorted(exported_by(outcomes), key=str) == [None] * inner_optimizers + [name] * inner_optimizers
-            else:
-                assert loaded_by(outcomes) == exported_by(outcomes) == [None] * 2 * inner_optimizers
-            assert digests(model_chunks, optimizer) == control["saved"]
-            result, _ = step_with_peak(model_chunks, optimizer, case, start)
-            assert result.loss == control["loss"]
-            assert digests(model_chunks, optimizer) == control["after_step"]
-            del model_chunks, optimizer
-            free_cuda()
-        assert peaks["plugin"] < peaks["te_loader"], peaks
-    finally:
-        if handle is not None:
-            handle.remove()
+        finally:
+            if handle is not None:
+                handle.remove()
+        if label == "opted_in":  # scaffold pass: nothing held to export; payload pass: exported
+            assert loaded_by(outcomes) == [NAME] * 2 * inner_optimizers, outcomes
+            assert sorted(exported_by(outcomes), key=str) == [None] * inner_optimizers + [NAME] * inner_optimizers
+        else:
+            assert loaded_by(outcomes) == exported_by(outcomes) == [None] * 2 * inner_optimizers
+        assert digests(model_chunks, optimizer) == control["saved"]
+        result, _ = step_with_peak(model_chunks, optimizer, case, start)
+        assert result.loss == control["loss"]
+        assert digests(model_chunks, optimizer) == control["after_step"]
+        del model_chunks, optimizer
+        free_cuda()
+    assert peaks["opted_in"] < peaks["te_loader"], peaks
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -186,11 +185,13 @@ def test_exported_held_state_reloads_without_new_state_and_equals_te(mode: str) 
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     exported = export_inner_optimizer_state_dict(owner, registry=registry)
-    outcome = load_inner_optimizer_state_dict(owner, exported, registry=registry)
+    outcome = outcome_of(
+        registry, lambda: load_inner_optimizer_state_dict(owner, exported, owns_state_dict=True, registry=registry)
+    )
     del exported
     torch.cuda.synchronize()
     our_peak = torch.cuda.max_memory_allocated() - before
-    assert outcome.adopter == plugin.TEFusedAdamPrecisionAwareStateAdopter.name
+    assert outcome.adopter == NAME
     assert all(a is b for a, b in zip(state_tensors(ours), held)) and len(state_tensors(ours)) == len(held)
     largest = max(p.numel() for p in params_of(ours))
     assert our_peak <= 6 * largest + (1 << 16), our_peak  # one chunk's conversion at most
