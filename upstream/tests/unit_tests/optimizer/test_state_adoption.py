@@ -2,18 +2,20 @@
 
 """Tests for optimizer state adoption (``megatron.core.optimizer.state_adoption``).
 
-``DistributedOptimizer.load_state_dict`` (both its branches) and the ``load_state_dict`` of
-``Float16OptimizerWithFloat16Params`` and ``FP32Optimizer`` hand the loaded inner state to
-``load_inner_optimizer_state_dict``: the first registered adopter that accepts installs it,
-otherwise the inner optimizer's own ``load_state_dict`` runs. The registry, loader and
-fail-safety tests use ``torch.optim.Adam`` on CPU and an isolated ``StateAdopterRegistry``;
-the Transformer Engine tests need CUDA and TE.
+Where Megatron Core hands loaded state to an inner optimizer, it calls the subsystem's call-site
+functions: the first registered ``StateAdopter`` that accepts does the work, otherwise the inner
+optimizer's own code runs. The registry, dispatcher and call-site tests use ``torch.optim.Adam``
+on CPU and strict registries (every fallback raises), isolated ones where the process-wide
+registry is not under test; the Transformer Engine tests need CUDA and TE.
 """
 
 import argparse
 import copy
 import dataclasses
 import json
+import logging
+import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -26,20 +28,18 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
     Float16OptimizerWithFloat16Params,
+    MegatronOptimizer,
     param_group_identifier_keys,
 )
 from megatron.core.optimizer.state_adoption import (
+    AdoptionContext,
+    AdoptionOutcome,
+    StateAdopter,
     StateAdopterRegistry,
-    StateAdoptionContext,
-    StateAdoptionOutcome,
-    StateExportContext,
+    default_registry,
     export_inner_optimizer_state_dict,
     load_inner_optimizer_state_dict,
-    register_outcome_hook,
-    register_state_adopter,
-    registered_state_adopters,
 )
-from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 from tests.unit_tests.dist_checkpointing import TempNamedDir, setup_model_and_optimizer
 from tests.unit_tests.test_utilities import Utils
 
@@ -50,9 +50,9 @@ try:
 except ImportError:
     HAVE_TE_FUSED_ADAM = False
 
-DISABLE_ALL_ENV = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
-DISABLE_BY_NAME_ENV = "MCORE_DISABLED_OPTIMIZER_STATE_ADOPTERS"
 DEFAULT_ADOPTER = "te_fused_adam_fp32"
+OPT_IN_ADOPTER = "te_fused_adam_precision_aware"
+PLUGIN_GROUP = "test.megatron_core.optimizer_state_adopters"
 
 requires_te_on_cuda = pytest.mark.skipif(
     not (HAVE_TE_FUSED_ADAM and torch.cuda.is_available()),
@@ -60,7 +60,7 @@ requires_te_on_cuda = pytest.mark.skipif(
 )
 
 
-class RecordingAdopter:
+class RecordingAdopter(StateAdopter):
     """A test adopter that records every check and adoption.
 
     Args:
@@ -82,7 +82,7 @@ class RecordingAdopter:
         copy_state=False,
         install_nothing=False,
     ):
-        self.name = name
+        self._name = name
         self.accept = accept
         self.check_error = check_error
         self.fail_after_partial_install = fail_after_partial_install
@@ -90,6 +90,10 @@ class RecordingAdopter:
         self.install_nothing = install_nothing
         self.checked = []
         self.adopted = []
+
+    @property
+    def name(self):
+        return self._name
 
     def decline_reason(self, context):
         self.checked.append(context)
@@ -114,12 +118,7 @@ class RecordingAdopter:
 
 
 class RecordingExporter(RecordingAdopter):
-    """A test adopter that is also a state exporter.
-
-    Args:
-        name: registry name.
-        wipe_state: export the right param groups with an empty ``state`` (a malformed export).
-    """
+    """A test adopter that also exports the state dict (``wipe_state``: without its state)."""
 
     def __init__(self, name, wipe_state=False):
         super().__init__(name)
@@ -137,22 +136,42 @@ class RecordingExporter(RecordingAdopter):
         return state_dict
 
 
-@pytest.fixture
-def registry():
-    """An isolated registry: no built-in adopter, no entry-point plugins."""
-    return StateAdopterRegistry(entry_point_group=None)
+def _registry(*adopters, strict=True):
+    """An isolated registry: no built-in adopter, no plugins."""
+    registry = StateAdopterRegistry(strict=strict)
+    for adopter in adopters:
+        registry.register(adopter)
+    return registry
+
+
+def _outcome_of(registry, call):
+    """Run ``call()`` and return the one outcome ``registry`` reports for it."""
+    received = []
+    handle = registry.register_outcome_hook(received.append)
+    try:
+        call()
+    finally:
+        handle.remove()
+    (outcome,) = received
+    return outcome
+
+
+def _load(owner, state_dict, registry, owns_state_dict=False):
+    """Load through ``registry`` and return the outcome."""
+    return _outcome_of(
+        registry,
+        lambda: load_inner_optimizer_state_dict(
+            owner, state_dict, owns_state_dict=owns_state_dict, registry=registry
+        ),
+    )
 
 
 @pytest.fixture
-def register():
-    """Register adopters process-wide for one test (first by default); removed afterwards."""
+def register(monkeypatch):
+    """Register adopters first in the process-wide registry, strict, for one test."""
+    monkeypatch.setattr(default_registry(), "strict", True)
     handles = []
-
-    def _register(adopter, prepend=True):
-        handles.append(register_state_adopter(adopter, prepend=prepend))
-        return handles[-1]
-
-    yield _register
+    yield lambda adopter: handles.append(default_registry().register(adopter, prepend=True))
     for handle in reversed(handles):
         handle.remove()
 
@@ -161,7 +180,7 @@ def register():
 def outcomes():
     """Every outcome the process-wide registry reports while the test runs."""
     received = []
-    handle = register_outcome_hook(received.append)
+    handle = default_registry().register_outcome_hook(received.append)
     yield received
     handle.remove()
 
@@ -183,7 +202,7 @@ def _trained_adam(seed=0, device="cpu", steps=2):
 
 
 def _owner(optimizer, **config_overrides):
-    """What ``StateAdoptionContext.for_owner`` reads from a DistributedOptimizer."""
+    """What ``AdoptionContext.for_owner`` reads from a DistributedOptimizer."""
     return SimpleNamespace(
         optimizer=optimizer,
         config=OptimizerConfig(**config_overrides),
@@ -197,6 +216,15 @@ def _moments(optimizer):
         optimizer.state[param][key]
         for group in optimizer.param_groups
         for param in group["params"]
+        for key in ("exp_avg", "exp_avg_sq")
+    ]
+
+
+def _moments_of(state_dict):
+    return [
+        state_dict["state"][index][key]
+        for group in state_dict["param_groups"]
+        for index in group["params"]
         for key in ("exp_avg", "exp_avg_sq")
     ]
 
@@ -235,10 +263,6 @@ def _assert_same_state(optimizer, reference):
         }
 
 
-def _loads(outcomes):
-    return [outcome for outcome in outcomes if outcome.hook_point == "load"]
-
-
 def _independent_copy(state_dict):
     """The state dict with every state tensor cloned (no tensor shared with its optimizer)."""
     result = copy.copy(state_dict)
@@ -250,114 +274,144 @@ def _independent_copy(state_dict):
     return result
 
 
+PLUGIN_SOURCE = textwrap.dedent("""
+    from megatron.core.optimizer.state_adoption import StateAdopter
+
+    class Plugin(StateAdopter):
+        def __init__(self, name):
+            self._name = name
+
+        @property
+        def name(self):
+            return self._name
+
+        def decline_reason(self, context):
+            return "declines in this test"
+
+        def adopt(self, context):
+            raise AssertionError("never accepted")
+
+    alpha, beta = (lambda: Plugin("alpha")), (lambda: Plugin("beta"))
+    mismatched = lambda: Plugin("another_name")
+    """)
+
+
+def _install_plugin(tmp_path, monkeypatch, entry_points):
+    """Install a plugin distribution (a module and a dist-info) where importlib finds it."""
+    (tmp_path / "adoption_plugins.py").write_text(PLUGIN_SOURCE)
+    dist_info = tmp_path / "adoption_plugins-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: adoption-plugins\nVersion: 1.0\n"
+    )
+    lines = "".join(f"{name} = adoption_plugins:{value}\n" for name, value in entry_points.items())
+    (dist_info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{lines}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "adoption_plugins", raising=False)
+
+
 class TestStateAdopterRegistry:
-    def test_default_adopter_is_registered(self):
-        registrations = {r.name: r for r in registered_state_adopters()}
-        assert DEFAULT_ADOPTER in registrations
-        default = registrations[DEFAULT_ADOPTER]
-        assert isinstance(default.adopter, TEFusedAdamFP32StateAdopter)
-        assert default.origin == "built-in"
-        assert callable(default.handle.remove)
+    def test_process_wide_registry_has_the_built_in_adopter_and_not_the_opt_in_one(self):
+        names = [adopter.name for adopter, _ in default_registry().registrations()]
+        assert DEFAULT_ADOPTER in names and OPT_IN_ADOPTER not in names
 
-    def test_process_wide_registration_and_removal(self):
-        handle = register_state_adopter(RecordingAdopter("test_removable"))
-        try:
-            (registration,) = [r for r in registered_state_adopters() if r.name == "test_removable"]
-            assert registration.origin == "register_state_adopter"
-        finally:
-            handle.remove()
-        assert "test_removable" not in [r.name for r in registered_state_adopters()]
-
-    def test_names_are_unique(self, registry):
-        registry.register(RecordingAdopter("test_unique"))
-        with pytest.raises(ValueError):
-            registry.register(RecordingAdopter("test_unique"))
-        with pytest.raises(ValueError):
-            register_state_adopter(RecordingAdopter(DEFAULT_ADOPTER))
-
-    @pytest.mark.parametrize("name", ["", "my adopter", "tab\tname", "1st", "-x", None])
-    def test_names_must_be_disableable(self, registry, name):
-        with pytest.raises(TypeError):
-            registry.register(RecordingAdopter(name))
-
-    def test_objects_that_are_no_adopter_are_refused(self, registry):
-        with pytest.raises(TypeError):
-            registry.register(SimpleNamespace(name="test_incomplete", decline_reason=None))
-        with pytest.raises(TypeError):
-            registry.register(RecordingAdopter)
-
-    def test_order_is_built_in_then_code_with_prepend_first(self):
-        registry = StateAdopterRegistry(
-            built_in=(RecordingAdopter("test_built_in"),), entry_point_group=None
-        )
-        registry.register(RecordingAdopter("test_appended"))
+    def test_order_is_prepended_built_in_then_code_and_handles_free_the_name(self):
+        registry = _registry()
+        appended = registry.register(RecordingAdopter("test_appended"))
+        registry.register(RecordingAdopter("test_built_in"), built_in=True)
         registry.register(RecordingAdopter("test_prepended"), prepend=True)
         registry.register(RecordingAdopter("test_appended_last"))
-        assert [r.name for r in registry.registrations()] == [
+        assert [adopter.name for adopter, _ in registry.registrations()] == [
             "test_prepended",
             "test_built_in",
             "test_appended",
             "test_appended_last",
         ]
-        assert registry.registrations()[1].origin == "built-in"
+        appended.remove()
+        registry.register(RecordingAdopter("test_appended"))
+        assert [a.name for a, _ in registry.registrations()][-1] == "test_appended"
 
-    def test_handle_removes_and_frees_the_name(self, registry):
-        handle = registry.register(RecordingAdopter("test_removable"))
-        handle.remove()
-        assert registry.registrations() == ()
-        registry.register(RecordingAdopter("test_removable"))
-        assert [r.name for r in registry.registrations()] == ["test_removable"]
+    @pytest.mark.parametrize("name", ["", "my adopter", "tab\tname", "1st", "-x", None])
+    def test_names_must_be_well_formed(self, name):
+        with pytest.raises(TypeError):
+            _registry().register(RecordingAdopter(name))
 
-    def test_outcome_hooks_run_in_order_until_removed(self, registry):
+    def test_names_are_unique_and_adopters_are_state_adopters(self):
+        registry = _registry(RecordingAdopter("test_unique"))
+        with pytest.raises(ValueError):
+            registry.register(RecordingAdopter("test_unique"))
+        with pytest.raises(ValueError):
+            default_registry().register(RecordingAdopter(DEFAULT_ADOPTER))
+        with pytest.raises(TypeError):
+            registry.register(SimpleNamespace(name="test_duck", decline_reason=None, adopt=None))
+
+    def test_plugins_load_once_in_entry_point_name_order(self, tmp_path, monkeypatch):
+        _install_plugin(tmp_path, monkeypatch, {"beta": "beta", "alpha": "alpha"})
+        registry = StateAdopterRegistry(strict=True, plugin_group=PLUGIN_GROUP)
+        registry.register(RecordingAdopter("test_code"))
+        assert [a.name for a, _ in registry.registrations()] == ["test_code"]
+        registry.load_plugins()
+        registry.load_plugins()
+        assert [a.name for a, _ in registry.registrations()] == ["alpha", "beta", "test_code"]
+
+    def test_a_broken_plugin_is_skipped_or_with_a_strict_registry_raises(
+        self, tmp_path, monkeypatch, caplog
+    ):
+        _install_plugin(tmp_path, monkeypatch, {"alpha": "alpha", "wrong": "mismatched"})
+        lenient = StateAdopterRegistry(plugin_group=PLUGIN_GROUP)
+        with caplog.at_level(logging.WARNING):
+            lenient.load_plugins()
+        assert [a.name for a, _ in lenient.registrations()] == ["alpha"]
+        assert "entry point wrong = adoption_plugins:mismatched" in caplog.text
+        with pytest.raises(RuntimeError, match="another_name"):
+            StateAdopterRegistry(strict=True, plugin_group=PLUGIN_GROUP).load_plugins()
+
+    @pytest.mark.parametrize("switch", [True, False])
+    def test_optimizer_construction_loads_the_plugins(self, monkeypatch, switch):
         calls = []
+        monkeypatch.setattr(default_registry(), "load_plugins", lambda: calls.append(True))
+        owner = object.__new__(FP32Optimizer)
+        config = OptimizerConfig(optimizer_state_adoption=switch)
+        MegatronOptimizer.__init__(owner, _trained_adam(0), config)
+        assert calls == ([True] if switch else [])
+
+    def test_outcome_hooks_run_in_order_until_removed_and_a_raising_one_is_a_fallback(self):
+        registry, calls = _registry(strict=False), []
         last = registry.register_outcome_hook(lambda outcome: calls.append(("last", outcome)))
         first = registry.register_outcome_hook(
             lambda outcome: calls.append(("first", outcome)), prepend=True
         )
-        outcome = load_inner_optimizer_state_dict(
-            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
-        )
-        assert [name for name, _ in calls] == ["first", "last"]
-        assert all(o is outcome for _, o in calls)
-
-        first.remove()
-        last.remove()
-        calls.clear()
-        load_inner_optimizer_state_dict(
-            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
-        )
-        assert calls == []
-
-    def test_raising_outcome_hook_does_not_break_the_load(self, registry):
-        def broken_hook(outcome):
-            raise RuntimeError("hook failed")
-
-        registry.register_outcome_hook(broken_hook)
+        broken = registry.register_outcome_hook(lambda outcome: 1 / 0)
         optimizer, source = _trained_adam(0), _trained_adam(1)
-
-        outcome = load_inner_optimizer_state_dict(
-            _owner(optimizer), source.state_dict(), registry=registry
-        )
-
-        assert outcome.error is None
+        load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict(), registry=registry)
+        assert [name for name, _ in calls] == ["first", "last"]
+        assert calls[0][1] is calls[1][1] and isinstance(calls[0][1], AdoptionOutcome)
         _assert_same_state(optimizer, source)
+        registry.strict = True
+        with pytest.raises(RuntimeError, match="outcome hook"):
+            load_inner_optimizer_state_dict(
+                _owner(optimizer), source.state_dict(), registry=registry
+            )
+        for handle in (first, last, broken):
+            handle.remove()
+        calls.clear()
+        load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict(), registry=registry)
+        assert calls == []
 
 
 class TestLoadThroughAdopters:
-    def test_first_accepting_adopter_wins(self, registry):
+    def test_first_accepting_adopter_wins(self):
         declining = RecordingAdopter("test_declining", accept=False)
-        first = RecordingAdopter("test_first")
-        second = RecordingAdopter("test_second")
-        for adopter in (declining, first, second):
-            registry.register(adopter)
-        received = []
-        registry.register_outcome_hook(received.append)
+        first, second = RecordingAdopter("test_first"), RecordingAdopter("test_second")
         optimizer, source = _trained_adam(0), _trained_adam(1)
-        incoming = source.state_dict()
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), incoming, registry=registry)
+        outcome = _load(
+            _owner(optimizer),
+            source.state_dict(),
+            _registry(declining, first, second),
+            owns_state_dict=True,
+        )
 
-        assert isinstance(outcome, StateAdoptionOutcome)
         assert outcome.hook_point == "load"
         assert outcome.optimizer.startswith("Adam 0x")
         assert outcome.optimizer.endswith("(2 params, 48 elements)")
@@ -366,19 +420,22 @@ class TestLoadThroughAdopters:
         assert outcome.error is None
         assert outcome.declines == (("test_declining", "test_declining declines in this test"),)
         assert len(first.adopted) == 1 and second.checked == []
-        assert received == [outcome]
         assert json.loads(json.dumps(outcome.to_json()))["adopter"] == "test_first"
         _assert_same_state(optimizer, source)
 
-    def test_pytorch_loader_keeps_matching_tensors_by_reference(self, registry):
+    def test_pytorch_loader_keeps_matching_tensors_by_reference(self):
         """The by-reference install relies on torch.optim.Optimizer.load_state_dict keeping
         incoming tensors whose dtype and device match; if a PyTorch release copies them
         (see PyTorch issue 196083), the saving is gone and this test says so."""
-        registry.register(RecordingAdopter("test_torch_loader"))
         optimizer, source = _trained_adam(0), _trained_adam(1)
         incoming = _independent_copy(source.state_dict())
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), incoming, registry=registry)
+        outcome = _load(
+            _owner(optimizer),
+            incoming,
+            _registry(RecordingAdopter("test_torch_loader")),
+            owns_state_dict=True,
+        )
 
         assert outcome.adopter == "test_torch_loader"
         assert outcome.allocated_bytes == 0, (
@@ -386,60 +443,71 @@ class TestLoadThroughAdopters:
             f"{outcome.allocated_bytes} bytes of matching state instead of keeping the tensors"
         )
         assert outcome.reused_bytes == _state_bytes(incoming)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        for index, param in enumerate(params):
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert optimizer.state[param][key] is incoming["state"][index][key]
+        assert all(a is b for a, b in zip(_moments(optimizer), _moments_of(incoming)))
 
-    def test_copying_adopter_is_measured_not_trusted(self, registry):
-        registry.register(RecordingAdopter("test_copying", copy_state=True))
+    def test_the_callers_tensors_are_installed_by_reference_only_if_it_owns_them(self):
+        """Without ``owns_state_dict`` the caller may keep and reuse the tensors it passed: an
+        install by reference is undone and the own loader runs."""
+        optimizer, source = _trained_adam(0), _trained_adam(1)
+        adopter = RecordingAdopter("test_by_reference")
+
+        outcome = _load(_owner(optimizer), source.state_dict(), _registry(adopter, strict=False))
+
+        assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
+        assert outcome.fallback_reason == "adopter 'test_by_reference' failed and was undone"
+        _assert_same_state(optimizer, source)
+        with pytest.raises(RuntimeError, match="the caller's tensor"):
+            _load(_owner(_trained_adam(0)), source.state_dict(), _registry(adopter))
+
+    def test_copying_adopter_is_measured_not_trusted(self):
         optimizer, source = _trained_adam(0), _trained_adam(1)
         incoming = source.state_dict()
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), incoming, registry=registry)
+        outcome = _load(
+            _owner(optimizer),
+            incoming,
+            _registry(RecordingAdopter("test_copying", copy_state=True)),
+        )
 
         assert outcome.adopter == "test_copying"
         assert outcome.reused_bytes == 0
         assert outcome.allocated_bytes == _state_bytes(incoming)
         _assert_same_state(optimizer, source)
 
-    def test_context_describes_the_owner(self, registry):
+    def test_context_describes_the_owner(self):
         adopter = RecordingAdopter("test_context")
-        registry.register(adopter)
-        optimizer = _trained_adam(0)
-        owner = _owner(optimizer)
+        owner = _owner(_trained_adam(0))
         state_dict = _trained_adam(1).state_dict()
 
-        load_inner_optimizer_state_dict(owner, state_dict, registry=registry)
+        _load(owner, state_dict, _registry(adopter), owns_state_dict=True)
 
         context = adopter.checked[0]
-        assert isinstance(context, StateAdoptionContext)
-        assert isinstance(context, StateExportContext)
-        assert context == StateAdoptionContext.for_owner(owner, state_dict=state_dict)
-        assert context.optimizer is optimizer
+        assert context == AdoptionContext.for_owner(
+            owner, state_dict=state_dict, owns_state_dict=True
+        )
+        assert context.optimizer is owner.optimizer
         assert context.config is owner.config and context.ddp_config is owner.ddp_config
         assert context.is_stub_optimizer is False
-        assert context.state_dict is state_dict
+        assert context.state_dict is state_dict and context.owns_state_dict is True
         with pytest.raises(dataclasses.FrozenInstanceError):
             context.optimizer = None
 
-    def test_no_adopter_accepts_for_torch_adam(self, outcomes):
+    def test_the_built_in_adopter_declines_torch_adam(self, outcomes):
         optimizer, source = _trained_adam(0), _trained_adam(1)
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict())
+        load_inner_optimizer_state_dict(_owner(optimizer), source.state_dict())
 
-        assert outcome.adopter is None
-        assert outcome.method == "Adam.load_state_dict"
+        (outcome,) = outcomes
+        assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
         assert outcome.fallback_reason == "every adopter declined"
         assert DEFAULT_ADOPTER in [name for name, _ in outcome.declines]
-        assert _loads(outcomes) == [outcome]
         _assert_same_state(optimizer, source)
 
-    def test_empty_registry_runs_the_own_loader(self, registry):
+    def test_empty_registry_runs_the_own_loader(self):
         optimizer, source = _trained_adam(0), _trained_adam(1)
         incoming = source.state_dict()
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), incoming, registry=registry)
+        outcome = _load(_owner(optimizer), incoming, _registry())
 
         assert outcome.adopter is None and outcome.fallback_reason == "no adopter is registered"
         assert outcome.reused_bytes == _state_bytes(incoming) and outcome.allocated_bytes == 0
@@ -450,82 +518,23 @@ class TestSwitches:
     def test_config_switch_defaults_on(self):
         assert OptimizerConfig().optimizer_state_adoption is True
 
-    def test_config_switch_off_runs_the_own_loader(self, registry):
+    def test_config_switch_off_runs_the_own_code_without_asking(self):
         adopter = RecordingExporter("test_accepting")
-        registry.register(adopter)
+        registry = _registry(adopter)
         optimizer, source = _trained_adam(0), _trained_adam(1)
         owner = _owner(optimizer, optimizer_state_adoption=False)
-        received = []
-        registry.register_outcome_hook(received.append)
 
-        exported = export_inner_optimizer_state_dict(owner, registry=registry)
-        outcome = load_inner_optimizer_state_dict(owner, source.state_dict(), registry=registry)
+        exported = _outcome_of(
+            registry, lambda: export_inner_optimizer_state_dict(owner, registry=registry)
+        )
+        loaded = _load(owner, source.state_dict(), registry, owns_state_dict=True)
 
         assert adopter.checked == [] and adopter.adopted == [] and adopter.exported == []
-        assert [o.hook_point for o in received] == ["export", "load"]
-        for reported in received:
-            assert reported.adopter is None
-            assert reported.fallback_reason == "OptimizerConfig.optimizer_state_adoption is False"
-        assert outcome.method == "Adam.load_state_dict"
-        assert sorted(exported) == ["param_groups", "state"]
+        assert (exported.method, loaded.method) == ("Adam.state_dict", "Adam.load_state_dict")
+        for outcome in (exported, loaded):
+            assert outcome.adopter is None
+            assert outcome.fallback_reason == "OptimizerConfig.optimizer_state_adoption is False"
         _assert_same_state(optimizer, source)
-
-    @pytest.mark.parametrize("value", ["1", "true", "ON"])
-    def test_kill_switch_runs_the_own_loader(self, registry, monkeypatch, value):
-        adopter = RecordingAdopter("test_accepting")
-        registry.register(adopter)
-        monkeypatch.setenv(DISABLE_ALL_ENV, value)
-        optimizer, source = _trained_adam(0), _trained_adam(1)
-
-        outcome = load_inner_optimizer_state_dict(
-            _owner(optimizer), source.state_dict(), registry=registry
-        )
-
-        assert adopter.checked == [] and adopter.adopted == []
-        assert outcome.adopter is None
-        assert DISABLE_ALL_ENV in outcome.fallback_reason
-        _assert_same_state(optimizer, source)
-
-    @pytest.mark.parametrize("value", ["0", "false", "off", ""])
-    def test_kill_switch_values_that_leave_adoption_on(self, registry, monkeypatch, value):
-        registry.register(RecordingAdopter("test_accepting"))
-        monkeypatch.setenv(DISABLE_ALL_ENV, value)
-
-        outcome = load_inner_optimizer_state_dict(
-            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
-        )
-
-        assert outcome.adopter == "test_accepting"
-
-    @pytest.mark.parametrize("value", ["ture", "2", "disable"])
-    def test_unrecognised_kill_switch_value_switches_adoption_off(
-        self, registry, monkeypatch, value
-    ):
-        adopter = RecordingAdopter("test_accepting")
-        registry.register(adopter)
-        monkeypatch.setenv(DISABLE_ALL_ENV, value)
-
-        outcome = load_inner_optimizer_state_dict(
-            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
-        )
-
-        assert adopter.checked == []
-        assert outcome.adopter is None and "not recognised" in outcome.fallback_reason
-
-    @pytest.mark.parametrize("disabled", ["test_first", "test_other, test_first"])
-    def test_disable_by_name(self, registry, monkeypatch, disabled):
-        first, second = RecordingAdopter("test_first"), RecordingAdopter("test_second")
-        registry.register(first)
-        registry.register(second)
-        monkeypatch.setenv(DISABLE_BY_NAME_ENV, disabled)
-
-        outcome = load_inner_optimizer_state_dict(
-            _owner(_trained_adam(0)), _trained_adam(1).state_dict(), registry=registry
-        )
-
-        assert first.checked == [] and first.adopted == []
-        assert outcome.adopter == "test_second"
-        assert ("test_first", f"disabled by {DISABLE_BY_NAME_ENV}") in outcome.declines
 
     def test_megatron_lm_argument_reaches_the_config(self):
         from megatron.training.arguments import add_megatron_arguments
@@ -542,12 +551,11 @@ class TestSwitches:
         assert config.optimizer_state_adoption is False
 
 
-class TestLoaderRules:
-    """Cases where the optimizer's own method must run and no adopter is even asked."""
+class TestDispatcherRules:
+    """Cases where the optimizer's own method must run, and what a failing adopter leaves."""
 
-    def test_instance_load_state_dict_runs_once(self, registry):
+    def test_instance_load_state_dict_runs_once_without_asking(self):
         adopter = RecordingAdopter("test_accepting")
-        registry.register(adopter)
         optimizer, source = _trained_adam(0), _trained_adam(1)
         calls = []
         own_loader = optimizer.load_state_dict
@@ -558,167 +566,124 @@ class TestLoaderRules:
 
         optimizer.load_state_dict = instance_loader
 
-        outcome = load_inner_optimizer_state_dict(
-            _owner(optimizer), source.state_dict(), registry=registry
-        )
+        outcome = _load(_owner(optimizer), source.state_dict(), _registry(adopter))
 
-        assert adopter.checked == []
+        assert adopter.checked == [] and len(calls) == 1
         assert outcome.adopter is None
         assert outcome.method == "load_state_dict set on the Adam instance"
-        assert len(calls) == 1
         _assert_same_state(optimizer, source)
 
-    def test_load_hooks_run_exactly_once(self, registry):
-        adopter = RecordingAdopter("test_accepting")
-        registry.register(adopter)
+    def test_hooks_run_exactly_once_through_the_own_methods(self):
+        adopter = RecordingExporter("test_accepting")
+        registry = _registry(adopter)
         optimizer, source = _trained_adam(0), _trained_adam(1)
         calls = []
         optimizer.register_load_state_dict_pre_hook(lambda opt, sd: calls.append("pre"))
         optimizer.register_load_state_dict_post_hook(lambda opt: calls.append("post"))
+        optimizer.register_state_dict_post_hook(lambda opt, sd: calls.append("state_dict"))
 
-        outcome = load_inner_optimizer_state_dict(
-            _owner(optimizer), source.state_dict(), registry=registry
+        loaded = _load(_owner(optimizer), source.state_dict(), registry)
+        exported = _outcome_of(
+            registry,
+            lambda: export_inner_optimizer_state_dict(_owner(optimizer), registry=registry),
         )
 
-        assert adopter.checked == []
-        assert calls == ["pre", "post"]
-        assert outcome.adopter is None and "hook" in outcome.fallback_reason
+        assert adopter.checked == [] and adopter.exported == []
+        assert calls == ["pre", "post", "state_dict"]
+        for outcome in (loaded, exported):
+            assert outcome.adopter is None and "hook" in outcome.fallback_reason
         _assert_same_state(optimizer, source)
 
-    def test_state_dict_hooks_keep_the_own_state_dict(self, registry):
-        exporter = RecordingExporter("test_exporter")
-        registry.register(exporter)
-        optimizer = _trained_adam(0)
-        calls = []
-        optimizer.register_state_dict_post_hook(lambda opt, sd: calls.append("post"))
-
-        exported = export_inner_optimizer_state_dict(_owner(optimizer), registry=registry)
-
-        assert exporter.exported == []
-        assert calls == ["post"]
-        assert sorted(exported["state"]) == [0, 1]
-
-
-class TestStateAdoptionFailSafety:
-    def test_raising_check_is_a_decline(self, registry):
+    def test_raising_check_is_a_decline_or_with_a_strict_registry_an_error(self):
         raising = RecordingAdopter("test_raising_check", check_error=KeyError("boom"))
         accepting = RecordingAdopter("test_accepting")
-        registry.register(raising)
-        registry.register(accepting)
         optimizer, source = _trained_adam(0), _trained_adam(1)
 
-        outcome = load_inner_optimizer_state_dict(
-            _owner(optimizer), source.state_dict(), registry=registry
+        outcome = _load(
+            _owner(optimizer),
+            source.state_dict(),
+            _registry(raising, accepting, strict=False),
+            owns_state_dict=True,
         )
 
         assert "test_raising_check" in [name for name, _ in outcome.declines]
-        assert raising.adopted == []
-        assert outcome.adopter == "test_accepting"
-        _assert_same_state(optimizer, source)
+        assert raising.adopted == [] and outcome.adopter == "test_accepting"
+        with pytest.raises(RuntimeError, match="strict registry"):
+            _load(_owner(optimizer), source.state_dict(), _registry(raising))
 
-    def test_raising_adoption_is_rolled_back_and_own_loader_runs(self, registry):
-        failing = RecordingAdopter("test_failing", fail_after_partial_install=True)
-        registry.register(failing)
-        optimizer, source = _trained_adam(0), _trained_adam(1)
-        reference = _trained_adam(0)
+    @pytest.mark.parametrize("broken", ["fail_after_partial_install", "install_nothing"])
+    def test_failed_adoption_is_undone_and_the_own_loader_runs(self, broken):
+        failing = RecordingAdopter("test_failing", **{broken: True})
+        optimizer, source = _trained_adam(0, steps=0), _trained_adam(1)
+        reference = _trained_adam(0, steps=0)
         state_dict = source.state_dict()
         reference.load_state_dict(copy.deepcopy(state_dict))
-        incoming_moments = [
-            entry[key]
-            for entry in state_dict["state"].values()
-            for key in ("exp_avg", "exp_avg_sq")
-        ]
-        incoming_copies = [tensor.clone() for tensor in incoming_moments]
+        incoming = [tensor.clone() for tensor in _moments_of(state_dict)]
 
-        outcome = load_inner_optimizer_state_dict(_owner(optimizer), state_dict, registry=registry)
+        outcome = _load(
+            _owner(optimizer), state_dict, _registry(failing, strict=False), owns_state_dict=True
+        )
 
         assert len(failing.adopted) == 1
         assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
-        assert outcome.fallback_reason == "adopter 'test_failing' failed while installing the state"
+        assert outcome.fallback_reason == "adopter 'test_failing' failed and was undone"
         _assert_same_state(optimizer, reference)
-        for tensor, copy_ in zip(incoming_moments, incoming_copies):
-            assert torch.equal(tensor, copy_)
+        assert all(torch.equal(a, b) for a, b in zip(_moments_of(state_dict), incoming))
+        with pytest.raises(RuntimeError, match="strict registry"):
+            _load(_owner(_trained_adam(0, steps=0)), state_dict, _registry(failing))
 
-    def test_adoption_that_installs_nothing_is_caught(self, registry):
-        lazy = RecordingAdopter("test_lazy", install_nothing=True)
-        registry.register(lazy)
-        optimizer, source = _trained_adam(0, steps=0), _trained_adam(1)
-
-        outcome = load_inner_optimizer_state_dict(
-            _owner(optimizer), source.state_dict(), registry=registry
-        )
-
-        assert len(lazy.adopted) == 1
-        assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
-        assert outcome.fallback_reason == "adopter 'test_lazy' failed while installing the state"
-        _assert_same_state(optimizer, source)
-
-    def test_own_loader_error_is_reported_and_reraised(self, registry):
-        received = []
+    def test_own_loader_error_is_reported_and_reraised(self):
+        registry, received = _registry(), []
         registry.register_outcome_hook(received.append)
-        optimizer = _trained_adam(0)
         state_dict = _trained_adam(1).state_dict()
         state_dict["param_groups"] = state_dict["param_groups"] * 2
 
         with pytest.raises(ValueError):
-            load_inner_optimizer_state_dict(_owner(optimizer), state_dict, registry=registry)
+            load_inner_optimizer_state_dict(_owner(_trained_adam(0)), state_dict, registry=registry)
 
         (outcome,) = received
         assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
         assert outcome.error.startswith("ValueError")
 
-    def test_faithful_export_is_used(self, registry):
-        exporter = RecordingExporter("test_exporter")
-        registry.register(exporter)
-        received = []
-        registry.register_outcome_hook(received.append)
-        optimizer = _trained_adam(0)
-
-        exported = export_inner_optimizer_state_dict(_owner(optimizer), registry=registry)
-
-        assert len(exporter.exported) == 1
-        (outcome,) = received
-        assert outcome.hook_point == "export" and outcome.adopter == "test_exporter"
-        assert outcome.reused_bytes == _state_bytes(exported) and outcome.allocated_bytes == 0
-        assert all(a is b for a, b in zip(_moments(optimizer), _moments_of(exported)))
-
-    def test_malformed_export_is_not_used(self, registry):
-        exporter = RecordingExporter("test_wiping_exporter", wipe_state=True)
-        registry.register(exporter)
-        received = []
-        registry.register_outcome_hook(received.append)
+    def test_faithful_export_is_used_and_a_malformed_one_is_not(self):
         optimizer = _trained_adam(0)
         expected = optimizer.state_dict()
+        faithful = RecordingExporter("test_exporter")
+        registry = _registry(faithful)
+        exported = []
 
-        exported = export_inner_optimizer_state_dict(_owner(optimizer), registry=registry)
-
-        assert len(exporter.exported) == 1
-        (outcome,) = received
-        assert outcome.adopter is None and outcome.method == "Adam.state_dict"
-        assert (
-            outcome.fallback_reason == "adopter 'test_wiping_exporter' failed to export the state"
+        outcome = _outcome_of(
+            registry,
+            lambda: exported.append(
+                export_inner_optimizer_state_dict(_owner(optimizer), registry=registry)
+            ),
         )
-        assert exported["param_groups"] == expected["param_groups"]
-        assert sorted(exported["state"]) == sorted(expected["state"]) == [0, 1]
 
-    def test_no_exporter_uses_the_own_state_dict(self, registry):
-        registry.register(RecordingAdopter("test_not_an_exporter"))
-        received = []
-        registry.register_outcome_hook(received.append)
+        assert outcome.hook_point == "export" and outcome.adopter == "test_exporter"
+        assert outcome.reused_bytes == _state_bytes(exported[0]) and outcome.allocated_bytes == 0
+        assert all(a is b for a, b in zip(_moments(optimizer), _moments_of(exported[0])))
 
-        export_inner_optimizer_state_dict(_owner(_trained_adam(0)), registry=registry)
+        registry = _registry(RecordingExporter("test_wiping", wipe_state=True), strict=False)
+        outcome = _outcome_of(
+            registry,
+            lambda: exported.append(
+                export_inner_optimizer_state_dict(_owner(optimizer), registry=registry)
+            ),
+        )
 
-        (outcome,) = received
-        assert outcome.fallback_reason == "no registered adopter is a state exporter"
+        assert outcome.adopter is None and outcome.method == "Adam.state_dict"
+        assert outcome.fallback_reason == "adopter 'test_wiping' failed and was undone"
+        assert exported[1]["param_groups"] == expected["param_groups"]
+        assert sorted(exported[1]["state"]) == sorted(expected["state"]) == [0, 1]
 
-
-def _moments_of(state_dict):
-    return [
-        state_dict["state"][index][key]
-        for group in state_dict["param_groups"]
-        for index in group["params"]
-        for key in ("exp_avg", "exp_avg_sq")
-    ]
+    def test_an_adopter_without_the_export_role_declines_it(self):
+        registry = _registry(RecordingAdopter("test_not_an_exporter"))
+        outcome = _outcome_of(
+            registry,
+            lambda: export_inner_optimizer_state_dict(_owner(_trained_adam(0)), registry=registry),
+        )
+        assert outcome.fallback_reason == "every adopter declined"
+        assert outcome.declines == (("test_not_an_exporter", "it offers no export"),)
 
 
 def _bare_distributed_optimizer(inner, **config_overrides):
@@ -743,10 +708,10 @@ def _outer_state_dict(inner):
     return {"optimizer": {"param_groups": groups}}
 
 
-class TestDistributedOptimizerCallSite:
-    """``DistributedOptimizer.load_state_dict`` goes through the registry (second load pass)."""
+class TestDistributedOptimizerCallSites:
+    """``DistributedOptimizer`` goes through the process-wide registry."""
 
-    def test_load_state_dict_consults_the_registry(self, register, outcomes):
+    def test_load_state_dict_exports_and_installs_a_state_it_owns(self, register, outcomes):
         adopter = RecordingAdopter("test_accepting")
         register(adopter)
         distributed = _bare_distributed_optimizer(_trained_adam(0))
@@ -754,44 +719,45 @@ class TestDistributedOptimizerCallSite:
 
         distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
 
-        assert len(adopter.adopted) == 1
-        assert adopter.adopted[0].optimizer is distributed.optimizer
-        assert adopter.adopted[0].config is distributed.config
-        assert [o.adopter for o in _loads(outcomes)] == ["test_accepting"]
-        assert [o.hook_point for o in outcomes] == ["export", "load"]
+        (context,) = adopter.adopted
+        assert context.optimizer is distributed.optimizer
+        assert context.config is distributed.config and context.owns_state_dict is True
+        assert [(o.hook_point, o.adopter) for o in outcomes] == [
+            ("export", None),
+            ("load", "test_accepting"),
+        ]
         assert all(a is b for a, b in zip(_moments(distributed.optimizer), moments))
 
-    def test_config_switch_off_uses_the_own_loader(self, register, outcomes):
+    def test_config_switch_off_uses_the_own_code(self, register, outcomes):
         adopter = RecordingAdopter("test_accepting")
         register(adopter)
         distributed = _bare_distributed_optimizer(_trained_adam(0), optimizer_state_adoption=False)
 
         distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
 
-        assert adopter.checked == [] and adopter.adopted == []
-        assert [o.hook_point for o in outcomes] == ["export", "load"]
-        for outcome in outcomes:
-            assert outcome.adopter is None
-            assert outcome.fallback_reason == "OptimizerConfig.optimizer_state_adoption is False"
-        assert _loads(outcomes)[0].method == "Adam.load_state_dict"
+        assert adopter.checked == []
+        assert [(o.hook_point, o.method) for o in outcomes] == [
+            ("export", "Adam.state_dict"),
+            ("load", "Adam.load_state_dict"),
+        ]
 
-    def test_megatron_fsdp_branch_consults_the_registry(self, register, outcomes):
+    def test_megatron_fsdp_load_installs_the_tensors_it_holds(self, register, outcomes):
+        """Megatron-FSDP reads the checkpoint into the held state, which the load installs."""
         adopter = RecordingAdopter("test_accepting")
         register(adopter)
         distributed = _bare_distributed_optimizer(_trained_adam(0))
         distributed.ddp_config.use_megatron_fsdp = True
-        source = _trained_adam(1)
-        incoming = _independent_copy(source.state_dict())
+        held = torch.optim.Optimizer.state_dict(distributed.optimizer)
+        moments = _moments(distributed.optimizer)
 
-        distributed.load_state_dict(incoming)
+        distributed.load_state_dict(held)
 
-        assert [c.optimizer for c in adopter.adopted] == [distributed.optimizer]
-        assert adopter.adopted[0].ddp_config.use_megatron_fsdp
+        (context,) = adopter.adopted
+        assert context.ddp_config.use_megatron_fsdp and context.owns_state_dict is False
         assert [(o.hook_point, o.adopter) for o in outcomes] == [("load", "test_accepting")]
-        assert all(a is b for a, b in zip(_moments(distributed.optimizer), _moments_of(incoming)))
-        _assert_same_state(distributed.optimizer, source)
+        assert all(a is b for a, b in zip(_moments(distributed.optimizer), moments))
 
-    def test_megatron_fsdp_state_creation_consults_the_registry(self, register, outcomes):
+    def test_megatron_fsdp_state_creation_consults_the_registry(self, outcomes):
         distributed = _bare_distributed_optimizer(_trained_adam(0, steps=0))
         distributed.ddp_config.use_megatron_fsdp = True
         params = [p for g in distributed.optimizer.param_groups for p in g["params"]]
@@ -834,22 +800,20 @@ def _non_distributed_state_dict(owner, inner_state_dict):
 @pytest.mark.parametrize("make_owner", [_bare_float16_optimizer, _bare_fp32_optimizer])
 class TestNonDistributedOptimizerCallSites:
     """Without the distributed optimizer, Float16OptimizerWithFloat16Params and FP32Optimizer
-    hand the loaded inner state to the registry as well."""
+    hand the loaded inner state to the registry, which they do not own."""
 
     def test_load_state_dict_consults_the_registry(self, make_owner, register, outcomes):
-        adopter = RecordingAdopter("test_accepting")
+        adopter = RecordingAdopter("test_accepting", copy_state=True)
         register(adopter)
         owner = make_owner(_trained_adam(0))
         source = _trained_adam(1)
-        incoming = _independent_copy(source.state_dict())
 
-        owner.load_state_dict(_non_distributed_state_dict(owner, incoming))
+        owner.load_state_dict(_non_distributed_state_dict(owner, source.state_dict()))
 
-        assert [c.optimizer for c in adopter.adopted] == [owner.optimizer]
-        assert adopter.adopted[0].config is owner.config
-        assert adopter.adopted[0].ddp_config is None
+        (context,) = adopter.adopted
+        assert context.optimizer is owner.optimizer and context.config is owner.config
+        assert context.ddp_config is None and context.owns_state_dict is False
         assert [(o.hook_point, o.adopter) for o in outcomes] == [("load", "test_accepting")]
-        assert all(a is b for a, b in zip(_moments(owner.optimizer), _moments_of(incoming)))
         _assert_same_state(owner.optimizer, source)
 
     def test_config_switch_off_uses_the_own_loader(self, make_owner, register, outcomes):
@@ -863,25 +827,6 @@ class TestNonDistributedOptimizerCallSites:
         assert adopter.checked == []
         assert [(o.adopter, o.method) for o in outcomes] == [(None, "Adam.load_state_dict")]
         _assert_same_state(owner.optimizer, source)
-
-    @requires_te_on_cuda
-    def test_te_fused_adam_fp32_moments_are_installed_by_reference(self, make_owner, outcomes):
-        source = _trained_te_fused_adam(seed=1)
-        target, _ = _te_fused_adam(seed=0)
-        for group in target.param_groups:
-            group.update({key: None for key in param_group_identifier_keys})
-        incoming = _independent_copy(source.state_dict())
-        for group in incoming["param_groups"]:
-            group.update({key: None for key in param_group_identifier_keys})
-        owner = make_owner(target)
-
-        owner.load_state_dict(_non_distributed_state_dict(owner, incoming))
-
-        moment_bytes = sum(8 * p.numel() for g in target.param_groups for p in g["params"])
-        (outcome,) = outcomes
-        assert outcome.adopter == DEFAULT_ADOPTER
-        assert outcome.reused_bytes == moment_bytes and outcome.allocated_bytes == 0
-        assert all(a is b for a, b in zip(_moments(target), _moments_of(incoming)))
 
 
 def _te_fused_adam(seed, **kwargs):
@@ -915,6 +860,14 @@ def _step_with_same_grads(optimizers, seed):
         optimizer.step()
 
 
+def _default_load(owner, state_dict, owns_state_dict=True):
+    """Load through the process-wide registry and return the outcome."""
+    return _outcome_of(
+        default_registry(),
+        lambda: load_inner_optimizer_state_dict(owner, state_dict, owns_state_dict=owns_state_dict),
+    )
+
+
 @requires_te_on_cuda
 class TestTEFusedAdamFP32Adopter:
     def test_fp32_moments_are_installed_by_reference(self):
@@ -923,17 +876,15 @@ class TestTEFusedAdamFP32Adopter:
         target, _ = _te_fused_adam(seed=0)
         reference, _ = _te_fused_adam(seed=0)
 
-        outcome = load_inner_optimizer_state_dict(_owner(target), incoming)
+        outcome = _default_load(_owner(target), incoming)
 
         params = [p for g in target.param_groups for p in g["params"]]
         moment_bytes = sum(8 * p.numel() for p in params)
         assert outcome.adopter == DEFAULT_ADOPTER
         assert outcome.reused_bytes == moment_bytes and outcome.allocated_bytes == 0
-        for index, param in enumerate(params):
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert target.state[param][key] is incoming["state"][index][key]
+        assert all(a is b for a, b in zip(_moments(target), _moments_of(incoming)))
 
-        own = load_inner_optimizer_state_dict(
+        own = _default_load(
             _owner(reference, optimizer_state_adoption=False),
             _independent_copy(source.state_dict()),
         )
@@ -947,70 +898,39 @@ class TestTEFusedAdamFP32Adopter:
         ):
             assert torch.equal(param, reference_param)
 
-    def test_export_matches_fused_adam_state_dict(self):
-        optimizer = _trained_te_fused_adam(seed=1)
-        expected = optimizer.state_dict()
-
-        exported = export_inner_optimizer_state_dict(_owner(optimizer))
-
-        assert exported["param_groups"] == expected["param_groups"]
-        assert sorted(exported["state"]) == sorted(expected["state"])
-        for key, entry in expected["state"].items():
-            assert sorted(exported["state"][key]) == sorted(entry)
-            for name, value in entry.items():
-                assert torch.equal(exported["state"][key][name], value)
-
-    def test_bf16_moments_keep_te_loader(self):
-        source = _trained_te_fused_adam(seed=1, exp_avg_dtype=torch.bfloat16)
-        target, _ = _te_fused_adam(seed=0, exp_avg_dtype=torch.bfloat16)
-        reference, _ = _te_fused_adam(seed=0, exp_avg_dtype=torch.bfloat16)
-        reference.load_state_dict(_independent_copy(source.state_dict()))
-
-        outcome = load_inner_optimizer_state_dict(
-            _owner(target), _independent_copy(source.state_dict())
-        )
-
-        assert outcome.adopter is None
-        assert DEFAULT_ADOPTER in [name for name, _ in outcome.declines]
-        _assert_same_state(target, reference)
-
-    def test_master_weights_keep_te_loader(self):
-        source = _trained_te_fused_adam(seed=1, master_weights=True)
-        target, _ = _te_fused_adam(seed=0, master_weights=True)
-
-        outcome = load_inner_optimizer_state_dict(
-            _owner(target), _independent_copy(source.state_dict())
-        )
-
-        assert outcome.adopter is None
-        assert (DEFAULT_ADOPTER, "FusedAdam.master_weights is set") in outcome.declines
-
-    def test_instance_level_load_state_dict_is_respected(self):
+    def test_a_callers_state_dict_keeps_te_loader(self):
         source = _trained_te_fused_adam(seed=1)
         target, _ = _te_fused_adam(seed=0)
-        calls = []
-        own_loader = target.load_state_dict
 
-        def instance_loader(state_dict):
-            calls.append(state_dict)
-            return own_loader(state_dict)
+        outcome = _default_load(_owner(target), source.state_dict(), owns_state_dict=False)
 
-        target.load_state_dict = instance_loader
+        assert outcome.adopter is None and outcome.method == "FusedAdam.load_state_dict"
+        (reason,) = [reason for name, reason in outcome.declines if name == DEFAULT_ADOPTER]
+        assert "the caller's tensor" in reason
 
-        outcome = load_inner_optimizer_state_dict(
-            _owner(target), _independent_copy(source.state_dict())
-        )
+    @pytest.mark.parametrize(
+        "settings, reason",
+        [
+            (dict(exp_avg_dtype=torch.bfloat16), "not torch.float32"),
+            (dict(master_weights=True), "FusedAdam.master_weights is set"),
+        ],
+    )
+    def test_other_settings_keep_te_loader(self, settings, reason):
+        source = _trained_te_fused_adam(seed=1, **settings)
+        target, _ = _te_fused_adam(seed=0, **settings)
+        reference, _ = _te_fused_adam(seed=0, **settings)
+        reference.load_state_dict(_independent_copy(source.state_dict()))
+
+        outcome = _default_load(_owner(target), _independent_copy(source.state_dict()))
 
         assert outcome.adopter is None
-        assert outcome.method == "load_state_dict set on the FusedAdam instance"
-        assert len(calls) == 1
+        (declined,) = [r for name, r in outcome.declines if name == DEFAULT_ADOPTER]
+        assert reason in declined
+        _assert_same_state(target, reference)
 
 
 @requires_te_on_cuda
 class TestDistributedOptimizerCheckpointAdoption:
-    def setup_method(self, method):
-        pass
-
     def teardown_method(self, method):
         Utils.destroy_model_parallel()
 
@@ -1038,7 +958,7 @@ class TestDistributedOptimizerCheckpointAdoption:
         return tensors
 
     # fully_sharded_model_space is left out: saving it raises "ShardedTensor.flattened_range is
-    # not supported" on this code base, with or without this change (seen on the H200).
+    # not supported" on this code base, with or without this change.
     @pytest.mark.parametrize("sharding_type", ["dp_reshardable", "fully_reshardable"])
     def test_resume_adopts_state_bitwise_equal(self, tmp_path_dist_ckpt, outcomes, sharding_type):
         Utils.initialize_model_parallel(1, 1)
@@ -1063,7 +983,7 @@ class TestDistributedOptimizerCheckpointAdoption:
             )
             optimizer_B.load_state_dict(load(load_template, ckpt_dir))
 
-            loads = _loads(outcomes)
+            loads = [outcome for outcome in outcomes if outcome.hook_point == "load"]
             assert loads, "DistributedOptimizer.load_state_dict reported no load outcome"
             moment_bytes = {
                 sum(8 * p.numel() for g in d.optimizer.param_groups for p in g["params"])

@@ -1,18 +1,21 @@
 # Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
 
-"""With a chunked optimizer-state offloader, ``DistributedOptimizer.load_state_dict`` is unchanged.
+"""With a chunked optimizer-state offloader, the optimizers' ``load_state_dict`` is unchanged.
 
 The offloader's ``load_state_dict_without_device_cast`` is part of the offload mechanism (it keeps
 selected states in pinned CPU memory), so it must never be replaced by an adopter, switched off
-or fallen back from. These tests pin that: with an offloader set, no adopter or exporter is
-consulted, no outcome is reported, and the offloader receives what upstream handed it.
+or fallen back from. These tests pin that: with an offloader set, no adopter is consulted, no
+outcome is reported, and the offloader receives what upstream handed it.
 """
+
+import pytest
 
 from tests.unit_tests.optimizer.test_state_adoption import (  # noqa: F401 (fixtures)
     RecordingAdopter,
     _bare_distributed_optimizer,
-    _loads,
+    _bare_float16_optimizer,
     _moments,
+    _non_distributed_state_dict,
     _outer_state_dict,
     _trained_adam,
     outcomes,
@@ -43,11 +46,12 @@ def _count_state_dict_calls(inner):
 
 
 class TestStateAdoptionWithChunkedOffloader:
-    def test_offloader_loads_without_adoption(self, register, outcomes):
+    @pytest.mark.parametrize("switch", [True, False])
+    def test_offloader_loads_without_adoption(self, register, outcomes, switch):
         adopter = RecordingAdopter("test_accepting")
         register(adopter)
         inner = _trained_adam(0)
-        distributed = _bare_distributed_optimizer(inner)
+        distributed = _bare_distributed_optimizer(inner, optimizer_state_adoption=switch)
         distributed._optimizer_state_offloader = RecordingOffloader()
         outer = _outer_state_dict(inner)
         moments = _moments(inner)
@@ -55,8 +59,7 @@ class TestStateAdoptionWithChunkedOffloader:
 
         distributed.load_state_dict(outer)
 
-        assert adopter.checked == [] and adopter.adopted == []
-        assert outcomes == []
+        assert adopter.checked == [] and outcomes == []
         assert len(state_dict_calls) == 1
         (loaded,) = distributed._optimizer_state_offloader.loaded
         assert sorted(loaded) == ["param_groups", "state"]
@@ -65,21 +68,20 @@ class TestStateAdoptionWithChunkedOffloader:
             for key in ("exp_avg", "exp_avg_sq"):
                 assert loaded["state"][index][key] is inner.state[param][key]
         (group,) = loaded["param_groups"]
-        assert group["params"] == list(range(len(params)))
-        assert group["step"] == 2
+        assert group["params"] == list(range(len(params))) and group["step"] == 2
         assert all(a is b for a, b in zip(_moments(inner), moments))
 
-    def test_offloader_ignores_the_config_switch(self, register, outcomes):
+    def test_float16_optimizer_offloader_loads_without_adoption(self, register, outcomes):
         adopter = RecordingAdopter("test_accepting")
         register(adopter)
-        inner = _trained_adam(0)
-        distributed = _bare_distributed_optimizer(inner, optimizer_state_adoption=False)
-        distributed._optimizer_state_offloader = RecordingOffloader()
+        owner = _bare_float16_optimizer(_trained_adam(0))
+        owner._optimizer_state_offloader = RecordingOffloader()
+        state_dict = _non_distributed_state_dict(owner, _trained_adam(1).state_dict())
 
-        distributed.load_state_dict(_outer_state_dict(inner))
+        owner.load_state_dict(state_dict)
 
         assert adopter.checked == [] and outcomes == []
-        assert len(distributed._optimizer_state_offloader.loaded) == 1
+        assert owner._optimizer_state_offloader.loaded == [state_dict["optimizer"]]
 
     def test_without_offloader_the_registry_is_consulted(self, register, outcomes):
         adopter = RecordingAdopter("test_accepting")
@@ -89,6 +91,8 @@ class TestStateAdoptionWithChunkedOffloader:
 
         distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
 
-        assert len(adopter.adopted) == 1
-        assert [o.hook_point for o in outcomes] == ["export", "load"]
-        assert [o.adopter for o in _loads(outcomes)] == ["test_accepting"]
+        assert len(adopter.adopted) == 1 and adopter.adopted[0].owns_state_dict is True
+        assert [(o.hook_point, o.adopter) for o in outcomes] == [
+            ("export", None),
+            ("load", "test_accepting"),
+        ]
