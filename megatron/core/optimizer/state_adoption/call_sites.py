@@ -45,14 +45,9 @@ def load_inner_optimizer_state_dict(
     registry: Optional[StateAdopterRegistry] = None,
 ) -> None:
     """``owner.optimizer.load_state_dict(state_dict)``, or the first accepting adopter's install.
-
-    Args:
-        owner (Any): the Megatron optimizer.
-        state_dict (Dict[str, Any]): the ``{"state", "param_groups"}`` dict.
-        owns_state_dict (bool): the call site built the dict and its tensors (nobody else holds
-            them), so tensors the optimizer does not hold yet may be installed by reference.
-        registry (StateAdopterRegistry, optional): defaults to the process-wide registry.
-    """
+    ``owns_state_dict``: the call site built the dict and its tensors (nobody else holds them),
+    so tensors the optimizer does not hold yet may be installed by reference. ``registry``
+    defaults to the process-wide one (also below)."""
     optimizer = owner.optimizer
     run(
         HookPoint.LOAD,
@@ -72,15 +67,7 @@ def export_inner_optimizer_state_dict(
     owner: Any, registry: Optional[StateAdopterRegistry] = None
 ) -> Dict[str, Any]:
     """``owner.optimizer.state_dict()``, or the first accepting adopter's export (checked to be
-    the held state, changing nothing).
-
-    Args:
-        owner (Any): the ``DistributedOptimizer``.
-        registry (StateAdopterRegistry, optional): defaults to the process-wide registry.
-
-    Returns:
-        Dict[str, Any]: the state dict.
-    """
+    the held state, changing nothing)."""
     optimizer = owner.optimizer
     exported: Dict[str, Any] = run(
         HookPoint.EXPORT,
@@ -98,14 +85,9 @@ def initialize_inner_optimizer_state(
     own_initialization: Callable[[], None],
     registry: Optional[StateAdopterRegistry] = None,
 ) -> None:
-    """``own_initialization()``, or, if an adopter accepts, the optimizer's own ``step()``
-    without gradients, which must create the state of every parameter.
-
-    Args:
-        owner (Any): the Megatron-FSDP ``DistributedOptimizer``.
-        own_initialization (Callable[[], None]): upstream's dummy step on zero gradients.
-        registry (StateAdopterRegistry, optional): defaults to the process-wide registry.
-    """
+    """Megatron-FSDP's ``own_initialization()`` (a dummy step on zero gradients), or, if an
+    adopter accepts, the optimizer's own ``step()`` without gradients, which must create the state
+    of every parameter."""
     optimizer = owner.optimizer
     run(
         HookPoint.INITIALIZE,
@@ -174,14 +156,9 @@ _ACTIVE_READ: ContextVar[Optional[_Read]] = ContextVar("optimizer_state_read", d
 def reading_optimizer_state(
     owner: Any, is_loading: bool, registry: Optional[StateAdopterRegistry] = None
 ) -> Iterator[None]:
-    """Within the block, ``owner``'s read targets may come from the first accepting adopter;
-    nothing changes for a save (``is_loading`` False: it must write FP32) or outside it.
-
-    Args:
-        owner (Any): the precision-aware ``DistributedOptimizer`` building its sharded state dict.
-        is_loading (bool): whether it is built to load a checkpoint.
-        registry (StateAdopterRegistry, optional): defaults to the process-wide registry.
-    """
+    """Within the block, the read targets of ``owner`` (a precision-aware
+    ``DistributedOptimizer`` building its sharded state dict) may come from the first accepting
+    adopter; nothing changes for a save (``is_loading`` False: it must write FP32)."""
     active = _ACTIVE_READ.get()
     if not is_loading or (active is not None and active.owner is owner):
         yield

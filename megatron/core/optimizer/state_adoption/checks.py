@@ -38,6 +38,14 @@ def tensors_of(state: Any) -> List[torch.Tensor]:
     return [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, list) else []
 
 
+def params_problem(
+    optimizer: torch.optim.Optimizer, rule: Callable[[Any], Optional[str]]
+) -> Optional[str]:
+    """The first parameter ``rule`` declines, named by its position; None if none."""
+    reasons = ((index, rule(param)) for index, param in enumerate(params_of(optimizer)))
+    return next((f"parameter {index}: {reason}" for index, reason in reasons if reason), None)
+
+
 def is_dtensor(value: Any) -> bool:
     """Whether ``value`` is a DTensor (Megatron-FSDP's parameters and state are)."""
     return isinstance(value, torch.Tensor) and callable(getattr(value, "to_local", None))

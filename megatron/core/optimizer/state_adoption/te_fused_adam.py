@@ -1,23 +1,15 @@
-"""The adopters of Transformer Engine's FusedAdam state.
+"""The adopters of Transformer Engine FusedAdam's state, which its loader copies: it runs
+PyTorch's loader, then allocates every state anew and copies the incoming one into it while the
+caller still holds that (TE 1.13 to 2.20; docs/te-releases.md). Each declines what it cannot
+prove equal to TE's result.
 
-``FusedAdam.load_state_dict`` runs PyTorch's loader, then allocates a new tensor for every state
-and copies the incoming one into it while the caller still holds the incoming tensors.
-
-:class:`TEFusedAdamFP32StateAdopter` (built in, registered): with FP32 moments and no TE master
-weights the incoming tensors have the dtype, device and shape TE would allocate, and TE's step
-uses FP32 state as it is, so PyTorch's loader alone installs them by reference: 8 bytes per
-parameter less at the load peak. For Megatron-FSDP, TE's own step without gradients creates the
-state a checkpoint is read into, without the dummy step's zero gradients.
-
-:class:`TEFusedAdamPrecisionAwareStateAdopter` (built in, opt-in): BF16 moments and master
-weights (FP32 or int16 remainders), where a ``dp_reshardable`` resume reads into FP32 copies,
-exports FP32 copies and rebuilds the state in TE's loader. It installs MCore's scaffold by
-reference (with TE's scales of one), exports the held tensors, offers the held BF16 moments as
-read targets (``torch_dist`` casts into them bit for bit as TE's ``copy_(fp32.bfloat16())``) and
-stores the payload into the held state as TE converts it.
-
-Each declines what it cannot prove equal to TE's result. TE releases (docs/te-releases.md):
-1.13 to 2.20 allocate and copy on load; ``store_param_remainders`` exists from 2.1 on.
+* :class:`TEFusedAdamFP32StateAdopter` (registered): FP32 moments, no master weights. PyTorch's
+  loader alone installs the moments by reference; for Megatron-FSDP, TE's step without gradients
+  creates the state a checkpoint is read into, without the dummy step's zero gradients.
+* :class:`TEFusedAdamPrecisionAwareStateAdopter` (opt-in): BF16 moments, master weights (FP32 or
+  int16 remainders). It installs MCore's scaffold by reference, exports the held tensors, offers
+  the held BF16 moments as read targets (``torch_dist`` casts into them as TE's
+  ``copy_(fp32.bfloat16())``) and stores the payload into the held state as TE converts it.
 """
 
 import sys
@@ -42,6 +34,7 @@ from .checks import (
     paired_state,
     param_groups_problem,
     params_of,
+    params_problem,
     same_memory,
     tensor_problem,
 )
@@ -132,14 +125,7 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         return first_problem(
             lambda: self._mode_problem(context, self._settings_problem),
             lambda: fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",)),
-            lambda: next(
-                (
-                    f"parameter {i}: {r}"
-                    for i, p in enumerate(params_of(context.optimizer))
-                    if (r := self._param_problem(p))
-                ),
-                None,
-            ),
+            lambda: params_problem(context.optimizer, self._param_problem),
         )
 
     def _settings_problem(self, optimizer: Any) -> Optional[str]:
@@ -164,12 +150,10 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
                 return f"FusedAdam has no 'store_param_remainders', which Transformer Engine {te_version} sets"
         if not isinstance(dtypes, Mapping):
             return "FusedAdam has no 'name_to_dtype_map'"
-        wrong = [key for key in MOMENT_KEYS if dtypes.get(key) is not torch.float32]
-        return (
-            f"FusedAdam keeps {wrong[0]} in {dtypes.get(wrong[0])}, not torch.float32"
-            if wrong
-            else None
-        )
+        for key in MOMENT_KEYS:
+            if dtypes.get(key) is not torch.float32:
+                return f"FusedAdam keeps {key} in {dtypes.get(key)}, not torch.float32"
+        return None
 
     def _param_problem(self, param: torch.Tensor) -> Optional[str]:
         """Plain FP32 parameters on the device type, or DTensors of them (Megatron-FSDP)."""
