@@ -140,7 +140,10 @@ def test_same_memory_means_the_same_elements_of_the_same_memory(cpu_mesh: Any) -
     for local in (torch.arange(4.0), torch.zeros(0)):  # an empty local shard too
         dtensor = _dtensor(local, cpu_mesh)
         assert same_memory(dtensor, dtensor), f"a DTensor of {local.numel()} elements is not itself"
-        assert same_memory(dtensor, _dtensor(local, cpu_mesh)) is (local.numel() > 0)
+        # two DTensors of one local shard are the same memory; two empty ones share nothing to
+        # tell apart, so any empty tensor of the held layout is the held one
+        assert same_memory(dtensor, _dtensor(local, cpu_mesh))
+    assert same_memory(torch.zeros(0), torch.zeros(0)) and not same_memory(torch.zeros(0), torch.zeros(0, 1))
 
 
 class _Opaque:
@@ -399,20 +402,20 @@ def _held_scale(value: Any) -> Callable[[Dict[str, Any], Any], None]:
         (lambda sd, o: sd["param_groups"][0].update(betas=tuple(list(sd["param_groups"][0]["betas"]))), None),
         (lambda sd, o: o.state.__setitem__(torch.zeros(3), {"exp_avg": torch.zeros(3)}), None),
         (_held_scale(0.5), None),
-        (lambda sd, o: sd.__setitem__("extra", 1), "it is not a dict of exactly 'state' and 'param_groups'"),
-        (lambda sd, o: sd["param_groups"].pop(), "its param groups are not the optimizer's"),
-        (lambda sd, o: sd["param_groups"][1].update(params=[3, 2]), "param group 1 does not list the parameter ids [2, 3]"),
-        (lambda sd, o: sd["param_groups"][1].update(lr=0.25), "param group 1 has other hyper-parameters than the optimizer's"),
-        (lambda sd, o: sd["param_groups"][0].pop("betas"), "param group 0 has other hyper-parameters than the optimizer's"),
-        (lambda sd, o: sd["state"].clear(), "its state is not for exactly the parameters that hold state"),
-        (lambda sd, o: sd["state"].pop(3), "its state is not for exactly the parameters that hold state"),
-        (_swap, "step of parameter 0 is not the held tensor"),
-        (lambda sd, o: sd["state"][2].update(copy.deepcopy(sd["state"][2])), "step of parameter 2 is not the held tensor"),
+        (lambda sd, o: sd.__setitem__("extra", 1), "the export is not a dict of 2 items as held"),
+        (lambda sd, o: sd["param_groups"].pop(), "the export['param_groups'] is not a list of 2 items as held"),
+        (lambda sd, o: sd["param_groups"][1].update(params=[3, 2]), "the export['param_groups'][1]['params'][0] is 3, not the held 2"),
+        (lambda sd, o: sd["param_groups"][1].update(lr=0.25), "the export['param_groups'][1]['lr'] is 0.25, not the held 0.5"),
+        (lambda sd, o: sd["param_groups"][0].pop("betas"), "the export['param_groups'][0] is not a dict of 12 items as held"),
+        (lambda sd, o: sd["state"].clear(), "the export['state'] is not a dict of 4 items as held"),
+        (lambda sd, o: sd["state"].pop(3), "the export['state'] is not a dict of 4 items as held"),
+        (_swap, "the export['state'][0]['step'] is not the held tensor"),
+        (lambda sd, o: sd["state"][2].update(copy.deepcopy(sd["state"][2])), "the export['state'][2]['step'] is not the held tensor"),
         (lambda sd, o: sd["state"][1].update(exp_avg=sd["state"][1]["exp_avg"].view(6)),
-         "exp_avg of parameter 1 is not the held tensor"),
-        (lambda sd, o: sd["state"][0].pop("exp_avg_sq"), "the state of parameter 0 does not have the held keys"),
-        (_held_scale(0.25), "scale of parameter 0 is not the held value"),
-        (_held_scale(torch.tensor(0.5)), "scale of parameter 0 is not the held value"),
+         "the export['state'][1]['exp_avg'] is not the held tensor"),
+        (lambda sd, o: sd["state"][0].pop("exp_avg_sq"), "the export['state'][0] is not a dict of 3 items as held"),
+        (_held_scale(0.25), "the export['state'][0]['scale'] is 0.25, not the held 0.5"),
+        (_held_scale(torch.tensor(0.5)), "the export['state'][0]['scale'] is tensor(0.5000), not the held 0.5"),
     ],
     ids=["its own state_dict", "an alias", "an equal copy of a hyper-parameter", "stale state of no parameter",
          "an equal non-tensor", "an extra key", "group count", "ids", "a hyper-parameter", "a group key",
