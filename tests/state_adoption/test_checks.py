@@ -278,7 +278,7 @@ def _install(install: Callable[[torch.optim.Optimizer, Dict[str, Any]], Any], pr
     held = {id(p): dict(entry) for p, entry in optimizer.state.items()}
     snapshot = dict(given, state={k: dict(v) for k, v in given["state"].items()})
     install(optimizer, given)
-    return installed_state_problem(optimizer, snapshot, params, held, owns)
+    return installed_state_problem(optimizer, snapshot, params, held)
 
 
 def _pytorch(optimizer: torch.optim.Optimizer, given: Dict[str, Any]) -> None:
@@ -327,8 +327,9 @@ def _C(install: Any, reason: Optional[str], name: str, **options: Any) -> Any:
 
 INSTALLS = [
     _C(_pytorch, None, "PyTorch's loader"),
-    _C(_pytorch, f"{MB} 0 is the caller's tensor, which the caller may keep and reuse",
-       "the caller's tensors", owns=False),
+    # whether the caller's tensors may be kept is the adopter's rule (PyTorch's own loader keeps
+    # them, TE's copies): incoming_state_problem's, tested above
+    _C(_pytorch, None, "the caller's tensors", owns=False),
     _C(_pytorch, None, "the held tensors handed back", owns=False, holds=True, handed_back=True),
     _C(_copies, None, "new memory like the incoming", owns=False),
     _C(_buffer(1, lambda o, g: torch.zeros(6)), f"{MB} 1 is not shaped and placed as the incoming tensor",

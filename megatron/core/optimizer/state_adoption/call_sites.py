@@ -14,16 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 import torch
 
 from .adopter import StateAdopter
-from .checks import (
-    exported_state_problem,
-    held_extents,
-    initialized_state_problem,
-    installed_state_problem,
-    local,
-    params_of,
-    read_target_problem,
-    same_memory,
-)
+from . import checks
 from .dispatch import Call, HookPoint, own_label, run
 from .registry import StateAdopterRegistry
 
@@ -53,8 +44,8 @@ def load_inner_optimizer_state_dict(
         HookPoint.LOAD,
         owner,
         lambda adopter, context: adopter.adopt(context),
-        lambda _, before: installed_state_problem(
-            optimizer, before.given, before.params, before.held, owns_state_dict
+        lambda _, before: checks.installed_state_problem(
+            optimizer, before.given, before.params, before.held
         ),
         lambda: optimizer.load_state_dict(state_dict),
         registry=registry,
@@ -73,7 +64,7 @@ def export_inner_optimizer_state_dict(
         HookPoint.EXPORT,
         owner,
         lambda adopter, context: adopter.export_state_dict(context),
-        lambda result, before: before.changed() or exported_state_problem(optimizer, result),
+        lambda result, before: before.changed() or checks.exported_state_problem(optimizer, result),
         optimizer.state_dict,
         registry=registry,
     )
@@ -93,7 +84,7 @@ def initialize_inner_optimizer_state(
         HookPoint.INITIALIZE,
         owner,
         lambda adopter, context: optimizer.step(),
-        lambda _, before: initialized_state_problem(
+        lambda _, before: checks.initialized_state_problem(
             optimizer, [p for g in before.params for p in g]
         ),
         own_initialization,
@@ -119,13 +110,15 @@ class _Read:
         if not self.consulted:
             self.consulted = True
             self.adopter, self.reason = self.call.consult()
-            self.serving, self.extents = self.adopter is not None, held_extents(optimizer)
-            self.index = {id(p): index for index, p in enumerate(params_of(optimizer))}
+            self.serving, self.extents = self.adopter is not None, checks.held_extents(optimizer)
+            self.index = {id(p): index for index, p in enumerate(checks.params_of(optimizer))}
         if self.serving and self.adopter is not None:
             label = f"{name} of parameter {self.index.get(id(param))}"
             try:
                 target = self.adopter.read_target(self.call.context, param, name)
-                problem = read_target_problem(optimizer, param, name, target, self.extents, label)
+                problem = checks.read_target_problem(
+                    optimizer, param, name, target, self.extents, label
+                )
                 if problem is not None:
                     raise ValueError(problem)
                 self.targets.append(target)
@@ -196,8 +189,8 @@ def store_read_optimizer_state(
     entry = optimizer.state.get(param)
     held = entry.get(name) if isinstance(entry, Mapping) else None
     if isinstance(held, torch.Tensor):
-        held = local(held)
-        if same_memory(held, tensor):
+        held = checks.local(held)
+        if checks.same_memory(held, tensor):
             return
         if held.dtype == tensor.dtype == torch.bfloat16 and held.shape == tensor.shape:
             held.copy_(tensor)

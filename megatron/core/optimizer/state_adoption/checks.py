@@ -284,13 +284,14 @@ def installed_state_problem(
     given: Mapping[str, Any],
     params: List[List[Any]],
     held: Mapping[int, Mapping[str, Any]],
-    owns_state_dict: bool,
 ) -> Optional[str]:
     """Check an install against what every loader gets right: the parameters stay in their
     groups, which get the state dict's hyper-parameters; exactly the parameters the state dict
     has state for get state, with its keys (None values may be left out); each tensor is the
-    incoming one (if the call site owns it or it was held), the one held before (``held``, by
-    ``id(param)``), or new memory shaped and placed as the incoming one."""
+    incoming one, the one held before (``held``, by ``id(param)``), or new memory shaped and
+    placed as the incoming one. (Whether the incoming tensors may be kept by reference is the
+    adopter's rule: PyTorch's own loader keeps tensors of the right dtype and device, TE's
+    copies; :func:`incoming_state_problem` keeps only what the call site owns or was held.)"""
     groups, flat = optimizer.param_groups, [param for group in params for param in group]
     if [len(g["params"]) for g in groups] != [len(p) for p in params] or any(
         a is not b for g, p in zip(groups, params) for a, b in zip(g["params"], p)
@@ -321,25 +322,19 @@ def installed_state_problem(
             return f"the state of parameter {index} does not have the state dict's keys"
         before = held.get(id(param), {})
         for key, value in entry.items():
-            reason = _installed_tensor_problem(
-                value, source[key], before.get(key), earlier, owns_state_dict
-            )
+            reason = _installed_tensor_problem(value, source[key], before.get(key), earlier)
             if reason is not None:
                 return f"{key} of parameter {index} {reason}"
     return None
 
 
 def _installed_tensor_problem(
-    value: Any, source: Any, before: Any, earlier: Extents, owns_state_dict: bool
+    value: Any, source: Any, before: Any, earlier: Extents
 ) -> Optional[str]:
     """One installed tensor: the incoming one, the one held before, or new memory like it."""
     if not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor):
         return None
-    if same_memory(value, source):
-        if owns_state_dict or same_memory(value, before):
-            return None
-        return "is the caller's tensor, which the caller may keep and reuse"
-    if same_memory(value, before):
+    if same_memory(value, source) or same_memory(value, before):
         return None
     overlapped = earlier.overlap(value)
     if overlapped is not None:
@@ -352,10 +347,10 @@ def _installed_tensor_problem(
 def exported_state_problem(optimizer: torch.optim.Optimizer, exported: Any) -> Optional[str]:
     """Check that an export is PyTorch's state dict of the optimizer as it holds its state
     (:func:`held_state_dict`): the same keys and ids, each tensor the held one itself."""
-    return _mismatch(exported, held_state_dict(optimizer), "the export")
+    return mismatch(exported, held_state_dict(optimizer), "the export")
 
 
-def _mismatch(value: Any, held: Any, where: str) -> Optional[str]:
+def mismatch(value: Any, held: Any, where: str) -> Optional[str]:
     """Where ``value`` differs from ``held``: containers by keys/length, tensors by memory."""
     if isinstance(held, torch.Tensor):
         return None if same_memory(value, held) else f"{where} is not the held tensor"
@@ -366,7 +361,7 @@ def _mismatch(value: Any, held: Any, where: str) -> Optional[str]:
         if isinstance(held, dict) and set(value) != set(held):
             return f"{where} has the keys {sorted(map(str, value))}, not the held ones"
         return next(
-            filter(None, (_mismatch(value[k], held[k], f"{where}[{k!r}]") for k in keys)), None
+            filter(None, (mismatch(value[k], held[k], f"{where}[{k!r}]") for k in keys)), None
         )
     return None if same_value(value, held) else f"{where} is {value!r}, not the held {held!r}"
 

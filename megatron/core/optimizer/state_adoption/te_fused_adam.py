@@ -23,21 +23,7 @@ from packaging.version import InvalidVersion, Version
 from megatron.core.utils import get_te_version
 
 from .adopter import AdoptionContext, StateAdopter
-from .checks import (
-    ExpectedState,
-    first_problem,
-    held_extents,
-    held_state_dict,
-    incoming_state_problem,
-    local,
-    owner_problem,
-    paired_state,
-    param_groups_problem,
-    params_of,
-    params_problem,
-    same_memory,
-    tensor_problem,
-)
+from . import checks
 
 __all__ = ["TEFusedAdamPrecisionAwareStateAdopter"]
 
@@ -82,8 +68,8 @@ class _TEFusedAdamAdopter(StateAdopter):
         self._fused_adam_class, self._device_type = fused_adam_class, device_type
 
     def _mode_problem(self, context: AdoptionContext, settings_problem: Any) -> Optional[str]:
-        return first_problem(
-            lambda: owner_problem(context, self.precision_aware),
+        return checks.first_problem(
+            lambda: checks.owner_problem(context, self.precision_aware),
             lambda: fused_adam_problem(context.optimizer, self._fused_adam_class),
             lambda: settings_problem(context.optimizer),
         )
@@ -107,9 +93,9 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """None if every eligibility rule holds, else the first that fails."""
         fp32 = dict.fromkeys(MOMENT_KEYS, torch.float32)
-        return first_problem(
+        return checks.first_problem(
             lambda: self._mode_problem(context, self._settings_problem),
-            lambda: incoming_state_problem(context, self._param_problem, lambda param: fp32),
+            lambda: checks.incoming_state_problem(context, self._param_problem, lambda param: fp32),
         )
 
     def adopt(self, context: AdoptionContext) -> None:
@@ -122,10 +108,10 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         """Accept what the load accepts of the optimizer and its parameters: TE's step creates
         every parameter's zeroed moments and advances each group's ``step`` before it skips the
         parameters without gradients, launching no kernel."""
-        return first_problem(
+        return checks.first_problem(
             lambda: self._mode_problem(context, self._settings_problem),
             lambda: fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",)),
-            lambda: params_problem(context.optimizer, self._param_problem),
+            lambda: checks.params_problem(context.optimizer, self._param_problem),
         )
 
     def _settings_problem(self, optimizer: Any) -> Optional[str]:
@@ -157,7 +143,7 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
 
     def _param_problem(self, param: torch.Tensor) -> Optional[str]:
         """Plain FP32 parameters on the device type, or DTensors of them (Megatron-FSDP)."""
-        if type(local(param)) not in (torch.Tensor, torch.nn.Parameter):
+        if type(checks.local(param)) not in (torch.Tensor, torch.nn.Parameter):
             return f"is a {type(param).__name__}, not a plain tensor or a DTensor of one"
         if param.dtype != torch.float32:
             return f"is {param.dtype}, not torch.float32"
@@ -180,7 +166,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         if payload is None:
             return None
         expected = partial(_expected, context.optimizer)
-        scaffold = reason or incoming_state_problem(context, self._param_problem, expected)
+        scaffold = reason or checks.incoming_state_problem(context, self._param_problem, expected)
         if scaffold is None:
             return None
         return reason or f"no payload ({payload}), no scaffold ({scaffold})"
@@ -190,7 +176,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         optimizer: Any = context.optimizer
         assert context.state_dict is not None
         pairs, payload = (
-            list(paired_state(optimizer, context.state_dict)),
+            list(checks.paired_state(optimizer, context.state_dict)),
             self._payload_problem(context) is None,
         )
         held = {id(param): optimizer.state.get(param) for _, param, _ in pairs}
@@ -201,25 +187,26 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         for _, param, incoming in pairs:
             if payload:
                 optimizer.state[param] = held[id(param)]
-                for key, value in incoming.items():
-                    _store_as_te_loads(value, held[id(param)][key])
+                for value in held[id(param)].values():
+                    _convert_as_te_loads(value)
                 continue
             optimizer.state[param] = dict(incoming)
-            for key in incoming:  # TE's _initialize_state gives every non-FP32 state a scale
+            for key, value in incoming.items():  # TE gives every non-FP32 state a scale of one
+                _convert_as_te_loads(value)
                 if optimizer.name_to_dtype_map[key] != torch.float32:
                     scale = torch.ones([1], dtype=torch.float32, device=param.device)
                     optimizer._scales.setdefault(param, {})[key] = scale
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a held state laid out as TE's loader leaves it, with scales of one."""
-        return first_problem(
+        return checks.first_problem(
             lambda: self._mode_problem(context, _bf16_settings_problem),
             lambda: self._held_problem(context),
         )
 
     def export_state_dict(self, context: AdoptionContext) -> Dict[str, Any]:
         """PyTorch's state dict of the FusedAdam: its groups and the held tensors themselves."""
-        return held_state_dict(context.optimizer)
+        return checks.held_state_dict(context.optimizer)
 
     def read_target_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept what the export accepts, for an optimizer that has not stepped (a read
@@ -251,11 +238,13 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         optimizer: Any = context.optimizer
         if not optimizer.state:
             return "the optimizer holds no state yet"
-        held = replace(context, state_dict=held_state_dict(optimizer), owns_state_dict=False)
-        reason = incoming_state_problem(held, self._param_problem, partial(_expected, optimizer))
+        held = replace(context, state_dict=checks.held_state_dict(optimizer), owns_state_dict=False)
+        reason = checks.incoming_state_problem(
+            held, self._param_problem, partial(_expected, optimizer)
+        )
         if reason is not None:
             return f"the held state: {reason.replace('incoming ', '')}"
-        for index, param in enumerate(params_of(optimizer)):
+        for index, param in enumerate(checks.params_of(optimizer)):
             for key, dtype in _expected(optimizer, param).items():
                 scale = optimizer._scales.get(param, {}).get(key)
                 one = isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.item() == 1
@@ -264,28 +253,11 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         return None
 
     def _payload_problem(self, context: AdoptionContext) -> Optional[str]:
-        """Each incoming value is the held tensor, or FP32 for a held BF16 state overlapping
-        nothing held."""
+        """The incoming state is the held state itself (its export: MCore's payload pass)."""
         optimizer, given = context.optimizer, context.state_dict
-        reason = param_groups_problem(optimizer, given) or self._held_problem(context)
-        if reason is not None or given is None:
-            return reason
-        if len(given["state"]) != len(params_of(optimizer)):
-            return "the incoming state does not hold exactly one entry per parameter"
-        extents = held_extents(optimizer)
-        for index, param, incoming in paired_state(optimizer, given):
-            held = optimizer.state[param]
-            if not isinstance(incoming, dict) or set(incoming) != set(held):
-                return f"parameter {index}: the incoming state does not have the held keys"
-            for key, value in incoming.items():
-                if same_memory(value, held[key]):
-                    continue
-                reason = None if held[key].dtype == torch.bfloat16 else "is not the held tensor"
-                reason = reason or tensor_problem(value, torch.float32, param)
-                overlapped = None if reason else extents.add(value, f"incoming {key}")
-                if reason or overlapped:
-                    return f"parameter {index}: incoming {key} {reason or f'overlaps {overlapped}'}"
-        return None
+        reason = checks.param_groups_problem(optimizer, given) or self._held_problem(context)
+        held = checks.held_state_dict(optimizer)["state"]
+        return reason or checks.mismatch(given["state"], held, "the incoming state")  # type: ignore[index]
 
 
 def _bf16_settings_problem(optimizer: Any) -> Optional[str]:
@@ -300,7 +272,7 @@ def _bf16_settings_problem(optimizer: Any) -> Optional[str]:
     return f"FusedAdam keeps {wrong[0]} in {dtypes.get(wrong[0])}" if wrong else None
 
 
-def _expected(optimizer: Any, param: torch.Tensor) -> ExpectedState:
+def _expected(optimizer: Any, param: torch.Tensor) -> checks.ExpectedState:
     """The keys and dtypes TE's loader leaves for ``param`` under the precision-aware optimizer."""
     expected = dict.fromkeys(MOMENT_KEYS, torch.bfloat16)
     if optimizer.master_weights:
@@ -309,13 +281,11 @@ def _expected(optimizer: Any, param: torch.Tensor) -> ExpectedState:
     return expected
 
 
-def _store_as_te_loads(value: torch.Tensor, held: torch.Tensor) -> None:
-    """Store ``value`` into a held BF16 state as TE's loader does, ``value.float().bfloat16()``
-    (round to nearest even, NaNs canonical), in chunks; a held state of another dtype is
-    ``value`` itself."""
-    if held.dtype != torch.bfloat16:
-        return
-    flat_value, flat_held = value.reshape(-1), held.reshape(-1)
-    for start in range(0, flat_held.numel(), STORE_CHUNK_ELEMENTS):
-        end = start + STORE_CHUNK_ELEMENTS
-        flat_held[start:end].copy_(flat_value[start:end].float().bfloat16())
+def _convert_as_te_loads(held: torch.Tensor) -> None:
+    """Convert a held BF16 state in place as TE's loader converts it, ``.float().bfloat16()``
+    (NaNs made canonical), in chunks; a state of another dtype stays as it is."""
+    if held.dtype == torch.bfloat16:
+        flat = held.reshape(-1)
+        for start in range(0, flat.numel(), STORE_CHUNK_ELEMENTS):
+            chunk = flat[start : start + STORE_CHUNK_ELEMENTS]
+            chunk.copy_(chunk.float().bfloat16())
