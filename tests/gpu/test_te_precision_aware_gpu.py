@@ -74,6 +74,12 @@ def _loaded(mode: str) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _export(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The adopter's export, which MCore's payload pass hands back: the held tensors."""
+    state_dict = torch.optim.Optimizer.state_dict(optimizer)
+    return dict(state_dict, state={k: dict(e) for k, e in state_dict["state"].items()})
+
+
 def _registry() -> StateAdopterRegistry:
     """Only the precision-aware adopter (strict)."""
     return registry_of(TEFusedAdamPrecisionAwareStateAdopter())
@@ -102,7 +108,7 @@ def test_scaffold_pass_installs_by_reference_equal_to_te_loader(mode: str) -> No
 def test_payload_pass_keeps_held_state_equal_to_te_loader(mode: str) -> None:
     adopted, by_te = _loaded(mode), _loaded(mode)
     held = state_tensors(adopted)
-    outcome = load_through(adopted, adopted.state_dict(), _registry(), config=PRECISION_AWARE)
+    outcome = load_through(adopted, _export(adopted), _registry(), config=PRECISION_AWARE)
     assert outcome.adopter == NAME and all(a is b for a, b in zip(state_tensors(adopted), held))
     by_te.load_state_dict(by_te.state_dict())
     _same_as_te(adopted, by_te)
@@ -114,11 +120,11 @@ def test_payload_pass_allocates_only_a_chunk_and_next_step_equals_te(mode: str) 
     held = state_tensors(adopted)
     owner, registry = Owner(adopted, config=PRECISION_AWARE), _registry()
     peaks = []
-    for optimizer, load in (
-        (adopted, lambda sd: load_inner_optimizer_state_dict(owner, sd, owns_state_dict=True, registry=registry)),
-        (by_te, by_te.load_state_dict),
+    for optimizer, load, export in (
+        (adopted, lambda sd: load_inner_optimizer_state_dict(owner, sd, owns_state_dict=True, registry=registry), _export),
+        (by_te, by_te.load_state_dict, lambda o: o.state_dict()),
     ):
-        state_dict = optimizer.state_dict()
+        state_dict = export(optimizer)
         free_cuda()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
