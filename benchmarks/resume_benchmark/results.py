@@ -62,7 +62,7 @@ OWN_LOADER: Final = "own loader"
 
 
 class OutcomeRecord(TypedDict, total=False):
-    """One state-adoption outcome (``StateAdoptionOutcome.to_json()`` of the build)."""
+    """One state-adoption outcome (``AdoptionOutcome.to_json()`` of the build)."""
 
     hook_point: str | None
     optimizer: str
@@ -83,22 +83,30 @@ class AdoptionRecord(TypedDict):
     outcomes: list[OutcomeRecord] | None
 
 
-def registered_adopter_names() -> list[str] | None:
-    """Names of the process-wide registry's adopters; None without a state-adoption subsystem."""
+def _default_registry() -> Any | None:
+    """The process-wide ``StateAdopterRegistry`` of this process's ``megatron-core``; None
+    without a state-adoption subsystem (upstream)."""
     try:
-        from megatron.core.optimizer.state_adoption import registered_state_adopters
+        from megatron.core.optimizer.state_adoption import default_registry
     except ImportError:
         return None
-    return [str(registration.name) for registration in registered_state_adopters()]
+    return default_registry()
+
+
+def registered_adopter_names() -> list[str] | None:
+    """Names of the process-wide registry's adopters, in the order they are tried (plugins
+    only once Megatron-Core has constructed an optimizer, which loads them); None without a
+    state-adoption subsystem."""
+    registry = _default_registry()
+    if registry is None:
+        return None
+    return [str(adopter.name) for adopter, _handle in registry.registrations()]
 
 
 def has_outcome_hooks() -> bool:
     """Whether this process's ``megatron-core`` reports structured outcomes."""
-    try:
-        from megatron.core.optimizer.state_adoption import register_outcome_hook  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    registry = _default_registry()
+    return registry is not None and callable(getattr(registry, "register_outcome_hook", None))
 
 
 @contextmanager
@@ -106,12 +114,11 @@ def recording_outcomes() -> Iterator[list[OutcomeRecord] | None]:
     """Collect the state-adoption outcome of every call inside the ``with`` block.
 
     Yields the list the outcomes' ``to_json()`` dicts are appended to, or None when this
-    ``megatron-core`` has no outcome hooks (upstream). The hook is removed on exit, also when
-    the block raises.
+    ``megatron-core`` has no outcome hooks (upstream). The hook (on the process-wide registry)
+    is removed on exit, also when the block raises.
     """
-    try:
-        from megatron.core.optimizer.state_adoption import register_outcome_hook
-    except ImportError:
+    registry = _default_registry()
+    if registry is None or not has_outcome_hooks():
         yield None
         return
     outcomes: list[OutcomeRecord] = []
@@ -122,7 +129,7 @@ def recording_outcomes() -> Iterator[list[OutcomeRecord] | None]:
         except Exception as exc:  # noqa: BLE001 - a malformed outcome is recorded as such
             outcomes.append(OutcomeRecord(hook_point=None, adopter=None, error=one_line(exc)))
 
-    handle = register_outcome_hook(record)
+    handle = registry.register_outcome_hook(record)
     try:
         yield outcomes
     finally:
