@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The main job: installs this build into a fresh Python >= 3.12 venv and runs the GPU resume
 # benchmark (python -m benchmarks.resume_benchmark), passing on every argument.
-# Needs an NVIDIA GPU and Transformer Engine (e.g. an NGC PyTorch container, whose packages the
-# venv sees); without them it says what is missing and exits with code 2.
-# Usage: bash scripts/run-benchmark.sh [benchmark args, see --help]   (VENV=dir to reuse a venv)
+# Needs an NVIDIA GPU and Transformer Engine (e.g. an NGC PyTorch container); without them it
+# says what is missing and exits with code 2. The venv (.venv-benchmark) sees the packages of
+# the Python that runs this script ($PYTHON, else python3 on PATH, ...: see find-python.sh): if
+# that Python is itself a venv (venv, virtualenv, uv), the new one is layered over it, else it
+# gets --system-site-packages (system or container Python, conda).
+# Usage: bash scripts/run-benchmark.sh [benchmark args, see --help]
+#   VENV=DIR  an existing environment is used as it is (one this script made is updated);
+#             a new DIR is made as above
 # Offline (no package index):
 #   WHEELHOUSE=DIR  pip installs only from DIR (--no-index --find-links DIR) and pip is not
 #                   upgraded; DIR holds the wheels the venv lacks beyond the machine's packages
@@ -23,8 +28,11 @@ fi
 source scripts/find-python.sh
 find_python
 venv=${VENV:-.venv-benchmark}
-# --system-site-packages: torch and Transformer Engine of the machine (e.g. an NGC container)
-[[ -x $venv/bin/python ]] || "$PYTHON" -m venv --system-site-packages "$venv"
+# The venv sees the packages of $PYTHON's environment (torch and Transformer Engine of the
+# machine, e.g. an NGC container, or of the user's own venv/uv/conda environment): layered over
+# a virtual environment through a .pth file, else --system-site-packages; one line says which
+# (benchmarks/resume_benchmark/environment.py).
+"$PYTHON" -m benchmarks.resume_benchmark.environment "$venv" ${VENV:+--given}
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 pip_args=(-q)
