@@ -11,8 +11,10 @@ Megatron-LM's training code comes from ``--megatron-lm DIR`` (a checkout), ``--m
 DIR`` (a repository; ``--ref``, default the build's release branch ``core_rX.Y.0``), or, with
 neither, a shallow clone of that branch from GitHub into ``--cache-dir``.
 
-Exit status: 0 every run ran; 1 a run failed; 2 this machine cannot run the benchmark (no CUDA
-GPU, too few GPUs, no Transformer Engine) or a usage error; 3 the sides are wrong (the build is
+Exit status: 0 every run ran; 1 a run failed; 2 a usage error (the command line is checked before
+any work: paths that must exist, output directories, numbers, configurations; one line says why)
+or this machine cannot run the benchmark (no CUDA GPU, too few GPUs, no Transformer Engine); 3
+the sides are wrong (the build is
 not ``V+stateadoption``, upstream is not exactly V, or both are the same); 4 with ``--check``, a
 configuration missed its expectation (each reason printed).
 """
@@ -20,7 +22,10 @@ configuration missed its expectation (each reason printed).
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -36,6 +41,7 @@ from benchmarks.resume_benchmark.configs import (
 from benchmarks.resume_benchmark.driver import Workspace, run_phase
 from benchmarks.resume_benchmark.figures import markdown_images, write_figures
 from benchmarks.resume_benchmark.megatron_lm import (
+    SCRIPT,
     ClientSetup,
     ClientUsageError,
     RunPlan,
@@ -66,6 +72,9 @@ EXIT_CRASH: Final = 1
 EXIT_CANNOT_RUN: Final = 2
 EXIT_WRONG_SIDES: Final = 3
 EXIT_EXPECTATION_MISSED: Final = 4
+
+#: The model size of the built-in configurations without ``--size``.
+DEFAULT_SIZE: Final = "1b"
 
 _WHY = (
     "This benchmark measures a GPU memory peak (torch.cuda.max_memory_allocated) while "
@@ -120,14 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout")
     source.add_argument("--megatron-lm-git", type=Path, help="a Megatron-LM git repository")
-    parser.add_argument("--ref", help="branch or commit (default: the build's core_rX.Y.0)")
+    parser.add_argument(
+        "--ref", help="with --megatron-lm-git: branch or commit (default: the build's core_rX.Y.0)"
+    )
     parser.add_argument(
         "--configs",
         type=_configurations,
-        help=f"'all' or comma-separated: {', '.join(CONFIGURATIONS)} (default: "
-        f"{', '.join(DEFAULT_CONFIGURATIONS)}, the ones measured on an H200)",
+        help=f"'all' (alone) or comma-separated, each once: {', '.join(CONFIGURATIONS)} "
+        f"(default: {', '.join(DEFAULT_CONFIGURATIONS)}, the ones measured on an H200)",
     )
-    parser.add_argument("--size", choices=list(SIZES), default="1b", help="default: %(default)s")
+    parser.add_argument(
+        "--size",
+        choices=list(SIZES),
+        help=f"of the built-in configurations (default: {DEFAULT_SIZE})",
+    )
     parser.add_argument(
         "--upstream", type=Path, help="upstream megatron-core V: DIR or WHEEL (default: pip)"
     )
@@ -143,8 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--deterministic-mode; the resumes save, and their checkpoints are compared",
     )
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per run")
-    parser.add_argument("--worker-timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per run (>= 1)")
+    parser.add_argument(
+        "--worker-timeout", type=float, default=1800.0, help="seconds per run (> 0)"
+    )
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--markdown-out", type=Path)
     parser.add_argument(
@@ -160,6 +177,92 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
+
+
+def _output_problem(flag: str, path: Path | None, directory: bool = False) -> str | None:
+    """Why ``path`` (an output file, or with ``directory`` a folder made if missing) cannot be
+    written at the end of the run, or None."""
+    if path is None:
+        return None
+    if directory and path.is_dir():
+        return None if os.access(path, os.W_OK) else f"{flag} {path}: the directory is not writable"
+    if path.exists() and (directory or path.is_dir()):
+        kind = "a directory" if directory else "a file"
+        return f"{flag} {path}: exists and is not {kind}"
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        return f"{flag} {path}: its parent directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"{flag} {path}: its parent directory {parent} is not writable"
+    return None
+
+
+def _side_path_problem(flag: str, path: Path | None) -> str | None:
+    if path is None or path.is_dir() or (path.is_file() and path.suffix == ".whl"):
+        return None
+    if not path.exists():
+        return f"{flag} {path}: no such directory or wheel"
+    return f"{flag} {path}: neither a directory (a site) nor a wheel (*.whl)"
+
+
+def _git_problem(git_dir: Path, ref: str | None) -> str | None:
+    """Why ``git_dir`` is no git repository, or ``ref`` no commit in it; None when both are."""
+    if not git_dir.is_dir():
+        return f"--megatron-lm-git {git_dir}: no such directory"
+    git = ["git", "--git-dir", str(git_dir)]
+    try:
+        found = subprocess.run([*git, "rev-parse", "--git-dir"], capture_output=True, check=False)
+    except OSError as exc:
+        return f"--megatron-lm-git {git_dir}: git cannot run ({exc})"
+    if found.returncode != 0:
+        hint = " (a work tree: give its .git directory)" if (git_dir / ".git").exists() else ""
+        return f"--megatron-lm-git {git_dir}: not a git directory{hint}"
+    if ref is not None:
+        verify = [*git, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"]
+        if subprocess.run(verify, capture_output=True, check=False).returncode != 0:
+            return f"--ref {ref}: no such branch, tag or commit in {git_dir}"
+    return None
+
+
+def command_line_problem(args: argparse.Namespace) -> str | None:
+    """The first reason the command line cannot run, found before any work (no probe, no
+    install, no download), or None. Each is one line; ``main`` exits 2 with it."""
+    script_args = script_arguments(args)
+    checks: list[str | None] = []
+    if args.megatron_lm is not None:
+        if not args.megatron_lm.is_dir():
+            checks.append(f"--megatron-lm {args.megatron_lm}: no such directory")
+        elif not (args.megatron_lm / SCRIPT).is_file():
+            checks.append(
+                f"--megatron-lm {args.megatron_lm}: not a Megatron-LM checkout (no {SCRIPT})"
+            )
+        if args.ref is not None:
+            checks.append(
+                f"--ref {args.ref}: --megatron-lm is a checkout, used as it is; --ref selects a "
+                "commit of --megatron-lm-git DIR (or of the release clone)"
+            )
+    if args.megatron_lm_git is not None:
+        checks.append(_git_problem(args.megatron_lm_git, args.ref))
+    if script_args and args.size is not None:
+        checks.append(
+            f"--size {args.size}: sizes the built-in configurations; the pretrain_gpt.py "
+            "arguments after -- set the model themselves"
+        )
+    if args.nproc_per_node < 1:
+        checks.append(f"--nproc-per-node {args.nproc_per_node}: must be at least 1")
+    timeout = args.worker_timeout
+    if not (math.isfinite(timeout) and timeout > 0):
+        checks.append(f"--worker-timeout {timeout:g}: must be a positive number of seconds")
+    checks += [
+        _side_path_problem("--upstream", args.upstream),
+        _side_path_problem("--build", args.build),
+        _output_problem("--json-out", args.json_out),
+        _output_problem("--markdown-out", args.markdown_out),
+        _output_problem("--figures-dir", args.figures_dir, directory=True),
+    ]
+    if args.work_dir is not None and args.work_dir.exists() and not args.work_dir.is_dir():
+        checks.append(f"--work-dir {args.work_dir}: exists and is not a directory")
+    return next((problem for problem in checks if problem is not None), None)
 
 
 def _probe(workspace: Workspace, side: Side) -> dict[str, Any]:
@@ -241,7 +344,7 @@ def requested_runs(args: argparse.Namespace) -> list[tuple[dict[str, str | None]
                 "description": CONFIGURATIONS[name].description,
                 "expectation": CONFIGURATIONS[name].expectation.name,
             },
-            CONFIGURATIONS[name].script_arguments(args.size),
+            CONFIGURATIONS[name].script_arguments(args.size or DEFAULT_SIZE),
         )
         for name in args.configs or DEFAULT_CONFIGURATIONS
     ]
@@ -263,7 +366,7 @@ def _document(
             label: {**sides[label].to_json(), **probes[label]["megatron_core"]}
             for label in ("upstream", "build")
         },
-        "size": None if script_arguments(args) else args.size,
+        "size": None if script_arguments(args) else args.size or DEFAULT_SIZE,
         "nproc_per_node": args.nproc_per_node,
         "runs": runs,
     }
@@ -300,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         RunPlan(args.train_iters, args.resume_at, args.deterministic, Path("."))
     except ClientUsageError as exc:
         parser.error(str(exc))
+    problem = command_line_problem(args)
+    if problem is not None:
+        parser.error(problem)
     missing = check_cuda(args.nproc_per_node)
     if missing is not None:
         eprint(cannot_run_message(missing))
@@ -325,16 +431,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         eprint(f"resume_benchmark: {exc}")
         return EXIT_CANNOT_RUN
     document = _document(args, sides, probes, runs)
+    if args.json_out:  # first: what the other outputs re-render from
+        write_json(args.json_out, document)
+    print("\n".join(summary_table(document)), flush=True)
+    if args.markdown_out:
+        args.markdown_out.write_text(markdown_report(document))
     if args.figures_dir:
         args.figures_dir.mkdir(parents=True, exist_ok=True)
         written = write_figures([document], args.figures_dir)
         images = markdown_images(written, args.figures_dir)
         (args.figures_dir / "figures.md").write_text("".join(f"{line}\n\n" for line in images))
-    print("\n".join(summary_table(document)), flush=True)
-    if args.json_out:
-        write_json(args.json_out, document)
-    if args.markdown_out:
-        args.markdown_out.write_text(markdown_report(document))
     failed = [
         f"{run['configuration']['name']}: {', '.join(failed_phases(run))}"
         for run in runs

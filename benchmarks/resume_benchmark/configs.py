@@ -140,18 +140,26 @@ def extra_adopters(adopters: Iterable[str] | None) -> tuple[str, ...]:
 
 
 def parse_configurations(text: str) -> list[str]:
-    """``all`` or comma-separated names of :data:`CONFIGURATIONS`.
+    """``all`` (alone: it already runs every configuration) or comma-separated names of
+    :data:`CONFIGURATIONS`, each once.
 
     Raises:
-        ValueError: for an unknown name or an empty list.
+        ValueError: for an unknown or repeated name, ``all`` beside names, or an empty list.
     """
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return list(CONFIGURATIONS)
+    choices = "choose from all, " + ", ".join(CONFIGURATIONS)
+    if "all" in names:
+        others = ", ".join(n for n in names if n != "all")
+        raise ValueError(
+            f"'all' runs every configuration ({others} included); give all alone or a list of "
+            "names"
+        )
     unknown = [n for n in names if n not in CONFIGURATIONS]
     if unknown or not names:
-        raise ValueError(
-            f"unknown configuration(s) {', '.join(unknown) or '(none)'}; choose from all, "
-            + ", ".join(CONFIGURATIONS)
-        )
+        raise ValueError(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; {choices}")
+    repeated = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+    if repeated:
+        raise ValueError(f"configuration(s) given more than once: {', '.join(repeated)}")
     return names

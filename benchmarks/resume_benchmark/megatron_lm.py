@@ -229,9 +229,15 @@ def prepare_client(
     else:
         assert git_dir is not None
         git = ["git", "--git-dir", str(git_dir)]
-        commit = subprocess.run(
-            [*git, "rev-parse", f"{ref}^{{commit}}"], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        found = subprocess.run(
+            [*git, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if found.returncode != 0:
+            raise ClientUsageError(f"no branch, tag or commit {ref} in {git_dir} (give --ref)")
+        commit = found.stdout.strip()
         archive = subprocess.run(
             [*git, "archive", "--format=tar", commit, *CLIENT_PATHS],
             capture_output=True,

@@ -194,7 +194,7 @@ def test_client_tree_from_a_git_ref(tmp_path: Path) -> None:
     assert release == "0.19"
     assert origin.startswith(f"{repo / '.git'} core_r0.19.0 (")
     _assert_client_tree(tmp_path / "client")
-    with pytest.raises(subprocess.CalledProcessError):
+    with pytest.raises(ClientUsageError, match="no branch, tag or commit core_r9.9.0 in"):
         client.prepare_client(None, repo / ".git", "core_r9.9.0", tmp_path / "other")
 
 
@@ -295,7 +295,9 @@ def test_markdown_report() -> None:
     assert "| upstream | 15,258.8 | 16.00 | 40,000.0 | no | n/a | own loader" in text
 
 
-def test_the_command_line_refuses_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_line_refuses_without_cuda(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from benchmarks.resume_benchmark.__main__ import main
 
     with pytest.raises(SystemExit) as exited:
@@ -303,7 +305,8 @@ def test_the_command_line_refuses_without_cuda(capsys: pytest.CaptureFixture[str
     assert exited.value.code == 0 and "pretrain_gpt.py" in capsys.readouterr().out
     if torch.cuda.is_available():
         pytest.skip("the no-CUDA refusal is for machines without a GPU")
-    assert main(["--megatron-lm", ".", "--", *USER_ARGS]) == 2
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert main(["--megatron-lm", str(tmp_path), "--", *USER_ARGS]) == 2
     assert "cannot run here" in capsys.readouterr().err
 
 
