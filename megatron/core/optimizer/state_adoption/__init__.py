@@ -18,7 +18,7 @@ from .call_sites import (
     store_read_optimizer_state,
     unscaled_state_or_read_target,
 )
-from .outcome import AdoptionOutcome
+from .registry import AdoptionOutcome
 from .registry import StateAdopterRegistry, default_registry
 from .te_fused_adam import TEFusedAdamFP32StateAdopter, TEFusedAdamPrecisionAwareStateAdopter
 

@@ -5,17 +5,22 @@ upstream's own code, unchanged."""
 
 import copy
 import enum
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, TypeVar, cast
+import logging
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from megatron.core.utils import log_single_rank
+
 from .adopter import AdoptionContext, StateAdopter
-from .checks import local, params_of, tensors_of
-from .outcome import AdoptionOutcome, Existing, describe, log
-from .registry import StateAdopterRegistry, default_registry
+from .checks import extent, local, params_of, tensors_of
+from .registry import AdoptionOutcome, StateAdopterRegistry, default_registry
 
 __all__: List[str] = []
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _MISSING = object()
@@ -290,3 +295,69 @@ def run(
     except BaseException as error:
         call.finish(None, method, reason, (), error)
         raise
+
+
+def describe(optimizer: torch.optim.Optimizer) -> str:
+    """Name an inner optimizer so that a ChainedOptimizer's optimizers differ in the logs."""
+    name = f"{type(optimizer).__name__} {id(optimizer):#x}"
+    try:
+        params = params_of(optimizer)
+        return f"{name} ({len(params)} params, {sum(local(p).numel() for p in params):,} elements)"
+    except Exception:  # a malformed optimizer is reported by its own code
+        return name
+
+
+class Existing:
+    """The state's storages before a call, held weakly: the call may free one and reuse its
+    address."""
+
+    def __init__(self, *states: Any) -> None:
+        places = [(weakref.ref(t), extent(t)) for state in states for t in tensors_of(state)]
+        self._storages = [(tensor, place[0]) for tensor, place in places if place is not None]
+
+    def measure(self, state: Any) -> Tuple[int, int]:
+        """(bytes in storage alive since before the call, in new storage) of ``state``; each
+        storage counted once, by the bytes its tensors span."""
+        alive = {
+            s
+            for ref, s in self._storages
+            if (t := ref()) is not None and (extent(t) or (0,))[0] == s
+        }
+        spans: Dict[int, List[Tuple[int, int]]] = {}
+        for place in filter(None, map(extent, tensors_of(state))):
+            spans.setdefault(place[0], []).append(place[1:])
+        counts = [0, 0]
+        for storage, ranges in spans.items():
+            reached = 0
+            for start, end in sorted(ranges):
+                counts[storage not in alive] += max(0, end - max(start, reached))
+                reached = max(reached, end)
+        return counts[0], counts[1]
+
+
+def _size(count: int) -> str:
+    return f"{count:,} B" if count < 2**20 else f"{count / 2**20:,.1f} MiB"
+
+
+def log(outcome: AdoptionOutcome, verb: str) -> None:
+    """Declines at debug and the result at info on rank 0; errors on every rank."""
+    for name, reason in outcome.declines:
+        log_single_rank(
+            logger, logging.DEBUG, f"Optimizer state adopter {name!r} declined: {reason}"
+        )
+    sizes = f"{_size(outcome.reused_bytes)} by reference, {_size(outcome.allocated_bytes)} newly allocated"
+    what = f"the state of {outcome.optimizer}"
+    if outcome.error is not None:
+        logger.warning(
+            f"Optimizer state {outcome.hook_point} of {outcome.optimizer} raised: {outcome.error}"
+        )
+    elif outcome.adopter is not None:
+        message = f"Optimizer state adopter {outcome.adopter!r} {verb} {what}: {sizes}"
+        log_single_rank(logger, logging.INFO, message)
+        if outcome.allocated_bytes > 0 and outcome.hook_point in ("load", "export"):
+            logger.warning(f"{message}: new memory instead of the tensors it was given")
+    else:
+        level = logging.INFO if outcome.hook_point == "load" else logging.DEBUG
+        log_single_rank(
+            logger, level, f"{outcome.method} {verb} {what} ({outcome.fallback_reason}): {sizes}"
+        )

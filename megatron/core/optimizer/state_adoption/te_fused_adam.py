@@ -15,7 +15,7 @@ prove equal to TE's result.
 import sys
 from dataclasses import replace
 from functools import partial
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 from packaging.version import InvalidVersion, Version
