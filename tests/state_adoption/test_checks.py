@@ -143,7 +143,9 @@ def test_same_memory_means_the_same_elements_of_the_same_memory(cpu_mesh: Any) -
         # two DTensors of one local shard are the same memory; two empty ones share nothing to
         # tell apart, so any empty tensor of the held layout is the held one
         assert same_memory(dtensor, _dtensor(local, cpu_mesh))
-    assert same_memory(torch.zeros(0), torch.zeros(0)) and not same_memory(torch.zeros(0), torch.zeros(0, 1))
+    assert same_memory(torch.zeros(0), torch.zeros(0)) and not same_memory(
+        torch.zeros(0), torch.zeros(0, 1)
+    )
 
 
 class _Opaque:
@@ -265,7 +267,7 @@ def test_incoming_state_problem_asks_the_parameter_rule_in_order_and_skips_empty
 
 
 def _install(install: Callable[[torch.optim.Optimizer, Dict[str, Any]], Any], prepare: Any = None,
-             owns: bool = True, holds: bool = False, handed_back: bool = False) -> Optional[str]:  # fmt: skip
+             holds: bool = False, handed_back: bool = False) -> Optional[str]:  # fmt: skip
     """``install`` a trained SGD's cloned state dict (changed by ``prepare``; the held tensors if
     ``handed_back``) into an SGD (holding state if ``holds``), checked as the dispatcher does."""
     optimizer = trained_sgd() if holds else fresh_sgd()
@@ -326,12 +328,11 @@ def _C(install: Any, reason: Optional[str], name: str, **options: Any) -> Any:
 
 
 INSTALLS = [
+    # the caller's tensors kept: whether they may be is the adopter's rule (PyTorch's own loader
+    # keeps them, TE's copies), incoming_state_problem's, tested above
     _C(_pytorch, None, "PyTorch's loader"),
-    # whether the caller's tensors may be kept is the adopter's rule (PyTorch's own loader keeps
-    # them, TE's copies): incoming_state_problem's, tested above
-    _C(_pytorch, None, "the caller's tensors", owns=False),
-    _C(_pytorch, None, "the held tensors handed back", owns=False, holds=True, handed_back=True),
-    _C(_copies, None, "new memory like the incoming", owns=False),
+    _C(_pytorch, None, "the held tensors handed back", holds=True, handed_back=True),
+    _C(_copies, None, "new memory like the incoming"),
     _C(_buffer(1, lambda o, g: torch.zeros(6)), f"{MB} 1 is not shaped and placed as the incoming tensor",
        "new memory of another shape"),
     _C(_buffer(1, lambda o, g: torch.zeros(2, 3, device="meta")),
