@@ -143,13 +143,17 @@ def test_without_an_accepting_adopter_the_own_code_runs(case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_the_config_switch_sends_every_call_to_the_own_code_without_asking(case: Case) -> None:
+def test_the_switches_send_every_call_to_the_own_code_without_asking(case: Case) -> None:
     adopter = _accepting()
     owner, run = case.setup()
     owner.config = config_with(optimizer_state_adoption=False)
     registry = registry_of(adopter)
     outcome = outcome_of(registry, lambda: run(registry), case.point)
     assert outcome.fallback_reason == "OptimizerConfig.optimizer_state_adoption is False"
+    off = StateAdopterRegistry(strict=True, switched_off="MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1 is set")
+    off.register(adopter)
+    _, _, outcome = _run(case, off)
+    assert outcome.fallback_reason == "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1 is set"
     assert adopter.checked == [] and outcome.method == case.own
 
 

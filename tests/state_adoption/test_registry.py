@@ -1,10 +1,12 @@
-"""The registry: order, prepend, handles, names, threads, plugins, outcome hooks, strictness.
+"""The registry: order, prepend, handles, names, threads, plugins, outcome hooks, strictness and
+the environment switch.
 
 Plugins are real installed distributions (``install_plugin`` in conftest.py) in a group of the
 test's own, so that the plugins installed in the environment stay out of the way.
 """
 
 import logging
+import subprocess
 import sys
 import textwrap
 import threading
@@ -283,3 +285,31 @@ def test_a_fallback_is_logged_on_every_rank(monkeypatch: pytest.MonkeyPatch, cap
     with caplog.at_level(logging.INFO, logger=LOGGER):
         registry.fall_back("an adopter failed")
     assert [r.getMessage() for r in caplog.records] == ["Optimizer state adoption: an adopter failed"]
+
+
+@pytest.mark.parametrize(
+    "value, off, warned", [(" Yes ", True, False), ("0", False, False), ("ture", True, True)]
+)
+def test_the_environment_switch_is_read_once_at_import(value: str, off: bool, warned: bool) -> None:
+    """``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION`` (for Megatron-LM releases without the series'
+    argument) is read when the package is imported, in a fresh interpreter here, never per call:
+    setting it later changes nothing; a value it does not know switches off, with a warning."""
+    script = textwrap.dedent(
+        """
+        import logging, os, sys, warnings
+        warnings.simplefilter("ignore")
+        logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+        from megatron.core.optimizer.state_adoption import default_registry
+        before = default_registry().switched_off
+        os.environ["MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"] = "1"
+        print("REASON", before, default_registry().switched_off == before)
+        """
+    )
+    env = {"MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION": value, "PATH": "/usr/bin:/bin"}
+    output = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    (reason_line,) = [line for line in output.splitlines() if line.startswith("REASON")]
+    assert reason_line.endswith("True")
+    assert ("MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=" in reason_line) is off
+    assert ("is none of 1, true, yes, on, 0, false, no, off" in output) is warned

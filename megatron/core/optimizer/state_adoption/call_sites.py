@@ -128,9 +128,8 @@ class _Read:
                     False,
                     f"adopter {self.adopter.name!r} failed for {label}",
                 )
-                self.call.registry.fall_back(
-                    f"{self.reason}; get_unscaled_state serves the rest", error
-                )
+                rest = "get_unscaled_state serves the rest"
+                self.call.registry.fall_back(self.reason, error, rest)
         unscaled: torch.Tensor = optimizer.get_unscaled_state(param, name)
         self.targets.append(unscaled)
         return unscaled

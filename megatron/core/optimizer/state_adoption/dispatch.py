@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _MISSING = object()
+_DECLINE = "it counts as a decline"
 
 
 class HookPoint(enum.StrEnum):
@@ -49,8 +50,10 @@ GATES: Dict[HookPoint, Tuple[str, str, Tuple[str, ...]]] = {
 }
 
 
-def gate_reason(point: HookPoint, owner: Any) -> Optional[str]:
+def gate_reason(point: HookPoint, owner: Any, registry: StateAdopterRegistry) -> Optional[str]:
     """Why the own code must run without asking any adopter, or None."""
+    if registry.switched_off is not None:
+        return registry.switched_off
     enabled = getattr(getattr(owner, "config", None), "optimizer_state_adoption", True)
     if enabled is not True:
         return f"OptimizerConfig.optimizer_state_adoption is {enabled!r}"
@@ -178,7 +181,7 @@ class Call:
     def consult(self) -> Tuple[Optional[StateAdopter], Optional[str]]:
         """The first adopter whose check accepts, or None and why none. A check that raises,
         answers nonsense or changes containers (undone) declines; one that writes raises."""
-        reason = gate_reason(self.point, self.owner)
+        reason = gate_reason(self.point, self.owner, self.registry)
         if reason is not None:
             return None, reason
         for adopter, _ in self.registry.registrations():
@@ -187,21 +190,23 @@ class Call:
                 decline = getattr(adopter, GATES[self.point][0])(self.context)
             except Exception as error:
                 decline = f"its check raised {type(error).__name__}: {error}"
-                self.registry.fall_back(f"adopter {adopter.name!r} raised in its check", error)
+                self.registry.fall_back(
+                    f"adopter {adopter.name!r} raised in its check", error, _DECLINE
+                )
             change = before.changed()
             if change is not None:
                 before.restore()
                 if before.written() is not None:
                     raise RuntimeError(f"adopter {adopter.name!r} wrote into tensors in its check")
                 self.registry.fall_back(
-                    f"adopter {adopter.name!r} was undone: {change} in its check"
+                    f"adopter {adopter.name!r} changed the optimizer in its check", instead=_DECLINE
                 )
                 decline = "its check changed the optimizer"
             if decline is None:
                 return adopter, None
             if not isinstance(decline, str):
                 self.registry.fall_back(
-                    f"adopter {adopter.name!r} answered {decline!r} in its check"
+                    f"adopter {adopter.name!r} answered {decline!r} in its check", instead=_DECLINE
                 )
                 decline = f"its check returned a {type(decline).__name__}"
             self.declines.append((adopter.name, decline))
@@ -282,9 +287,8 @@ def run(
                         f"adopter {adopter.name!r} failed after {before.written()}"
                     ) from error
                 reason = f"adopter {adopter.name!r} failed and was undone"
-                call.registry.fall_back(
-                    f"{reason}; the own code runs for {describe(call.optimizer)}", error
-                )
+                instead = f"the own code runs for {describe(call.optimizer)}"
+                call.registry.fall_back(reason, error, instead)
             except BaseException:
                 before.restore()
                 raise

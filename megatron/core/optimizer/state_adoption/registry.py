@@ -13,6 +13,7 @@ zero-argument callable returning an adopter whose ``name`` is the entry point's:
 
 import itertools
 import logging
+import os
 import re
 import threading
 from dataclasses import asdict, dataclass
@@ -28,6 +29,7 @@ __all__ = ["AdoptionOutcome", "StateAdopterRegistry", "default_registry"]
 logger = logging.getLogger(__name__)
 
 PLUGIN_GROUP = "megatron_core.optimizer_state_adopters"
+SWITCH_VARIABLE = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
 _PREPENDED, _BUILT_IN, _PLUGIN, _CODE = range(4)
 
@@ -99,10 +101,17 @@ class StateAdopterRegistry:
             plugin that does not load, an outcome hook that raises) raises ``RuntimeError``
             instead of being logged as a warning. Tests run strict.
         plugin_group (str, optional): the entry-point group :meth:`load_plugins` reads.
+        switched_off (str, optional): why adoption is off for every optimizer, if it is.
     """
 
-    def __init__(self, *, strict: bool = False, plugin_group: Optional[str] = None) -> None:
-        self.strict = strict
+    def __init__(
+        self,
+        *,
+        strict: bool = False,
+        plugin_group: Optional[str] = None,
+        switched_off: Optional[str] = None,
+    ) -> None:
+        self.strict, self.switched_off = strict, switched_off
         self._plugin_group = plugin_group
         self._lock, self._plugins_lock = threading.RLock(), threading.Lock()
         self._adopters, self._outcome_hooks = _Handles(self._lock), _Handles(self._lock)
@@ -149,17 +158,21 @@ class StateAdopterRegistry:
             try:
                 entry.item(outcome)
             except Exception as error:  # observing a load must not break it
-                self.fall_back(f"outcome hook {entry.item!r} raised", error)
+                self.fall_back(f"outcome hook {entry.item!r} raised", error, "it is skipped")
 
-    def fall_back(self, what: str, error: Optional[BaseException] = None) -> None:
-        """Log ``what`` failed (and runs instead) as a warning on this rank; raise
-        ``RuntimeError`` instead if strict."""
-        message = f"Optimizer state adoption: {what}"
-        if error is not None:
-            message += f" ({type(error).__name__}: {error})"
+    def fall_back(
+        self, what: str, error: Optional[BaseException] = None, instead: str = ""
+    ) -> None:
+        """Log that ``what`` failed, and what runs ``instead``, as a warning on this rank; if
+        strict, raise ``RuntimeError`` (nothing runs instead)."""
+        cause = f" ({type(error).__name__}: {error})" if error is not None else ""
         if self.strict:
-            raise RuntimeError(f"{message} [strict registry]") from error
-        logger.warning(message)
+            raise RuntimeError(
+                f"Optimizer state adoption: {what}{cause} [strict registry]"
+            ) from error
+        logger.warning(
+            f"Optimizer state adoption: {what}{'; ' + instead if instead else ''}{cause}"
+        )
 
     def load_plugins(self) -> None:
         """Register the installed plugins' adopters, once; a broken one is a fallback."""
@@ -173,7 +186,7 @@ class StateAdopterRegistry:
                 try:
                     self._add(entry_point.load()(), _PLUGIN, entry_point.name)
                 except Exception as error:  # a plugin must not break checkpoint loading
-                    self.fall_back(f"the plugin from {origin} is skipped", error)
+                    self.fall_back(f"the plugin from {origin} failed", error, "it is skipped")
 
     def _sorted(self, entries: Dict[int, Any]) -> Tuple[_Entry, ...]:
         with self._lock:
@@ -199,7 +212,21 @@ class StateAdopterRegistry:
         return handle
 
 
-_DEFAULT_REGISTRY = StateAdopterRegistry(plugin_group=PLUGIN_GROUP)
+def _switched_off_by_environment() -> Optional[str]:
+    """``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION``, read once, at import: the drop-in build's
+    switch for Megatron-LM releases without ``--no-optimizer-state-adoption``. Only switches off;
+    a value it does not know switches off too, with a warning."""
+    raw = os.environ.get(SWITCH_VARIABLE, "")
+    if raw.strip().lower() in ("", "0", "false", "no", "off"):
+        return None
+    if raw.strip().lower() not in ("1", "true", "yes", "on"):
+        logger.warning(f"{SWITCH_VARIABLE}={raw!r} is none of 1, true, yes, on, 0, false, no, off")
+    return f"{SWITCH_VARIABLE}={raw} is set"
+
+
+_DEFAULT_REGISTRY = StateAdopterRegistry(
+    plugin_group=PLUGIN_GROUP, switched_off=_switched_off_by_environment()
+)
 
 
 def default_registry() -> StateAdopterRegistry:
