@@ -190,7 +190,10 @@ def test_the_payload_of_the_held_tensors_is_kept_and_converted_as_tes_loader_con
     assert _scales(adopted) == _scales(by_te)
     if nan:
         first = adopted.state[_params(adopted)[0]]["exp_avg"]
-        assert first[:2].isnan().all() and first[2:4].view(torch.int16).tolist() == [0x7F80, -0x8000]
+        assert first[:2].isnan().all() and first[2:4].view(torch.int16).tolist() == [
+            0x7F80,
+            -0x8000,
+        ]
 
 
 def _export(optimizer: FusedAdamStandIn) -> Dict[str, Any]:
@@ -208,7 +211,10 @@ def _with_moments_of(state_dict: Dict[str, Any], other: FusedAdamStandIn) -> Dic
 
 @pytest.mark.parametrize(
     "payload",
-    [lambda o, mode: o.state_dict(), lambda o, mode: _with_moments_of(o.state_dict(), _loaded(mode, 9))],
+    [
+        lambda o, mode: o.state_dict(),
+        lambda o, mode: _with_moments_of(o.state_dict(), _loaded(mode, 9)),
+    ],
     ids=["TE's state_dict (FP32 copies)", "another run's FP32 moments"],
 )
 @pytest.mark.parametrize("mode", MODES)
