@@ -14,6 +14,8 @@ import copy
 import dataclasses
 import json
 import logging
+import os
+import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
@@ -51,6 +53,7 @@ except ImportError:
     HAVE_TE_FUSED_ADAM = False
 
 DEFAULT_ADOPTER = "te_fused_adam_fp32"
+SWITCH_VARIABLE = "MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION"
 OPT_IN_ADOPTER = "te_fused_adam_precision_aware"
 PLUGIN_GROUP = "test.megatron_core.optimizer_state_adopters"
 
@@ -445,20 +448,6 @@ class TestLoadThroughAdopters:
         assert outcome.reused_bytes == _state_bytes(incoming)
         assert all(a is b for a, b in zip(_moments(optimizer), _moments_of(incoming)))
 
-    def test_the_callers_tensors_are_installed_by_reference_only_if_it_owns_them(self):
-        """Without ``owns_state_dict`` the caller may keep and reuse the tensors it passed: an
-        install by reference is undone and the own loader runs."""
-        optimizer, source = _trained_adam(0), _trained_adam(1)
-        adopter = RecordingAdopter("test_by_reference")
-
-        outcome = _load(_owner(optimizer), source.state_dict(), _registry(adopter, strict=False))
-
-        assert outcome.adopter is None and outcome.method == "Adam.load_state_dict"
-        assert outcome.fallback_reason == "adopter 'test_by_reference' failed and was undone"
-        _assert_same_state(optimizer, source)
-        with pytest.raises(RuntimeError, match="the caller's tensor"):
-            _load(_owner(_trained_adam(0)), source.state_dict(), _registry(adopter))
-
     def test_copying_adopter_is_measured_not_trusted(self):
         optimizer, source = _trained_adam(0), _trained_adam(1)
         incoming = source.state_dict()
@@ -518,11 +507,16 @@ class TestSwitches:
     def test_config_switch_defaults_on(self):
         assert OptimizerConfig().optimizer_state_adoption is True
 
-    def test_config_switch_off_runs_the_own_code_without_asking(self):
+    @pytest.mark.parametrize("off", ["config", "environment"])
+    def test_switched_off_runs_the_own_code_without_asking(self, off):
         adopter = RecordingExporter("test_accepting")
-        registry = _registry(adopter)
+        reason = f"{SWITCH_VARIABLE}=1 is set"
+        registry = StateAdopterRegistry(
+            strict=True, switched_off=reason if off == "environment" else None
+        )
+        registry.register(adopter)
         optimizer, source = _trained_adam(0), _trained_adam(1)
-        owner = _owner(optimizer, optimizer_state_adoption=False)
+        owner = _owner(optimizer, optimizer_state_adoption=off != "config")
 
         exported = _outcome_of(
             registry, lambda: export_inner_optimizer_state_dict(owner, registry=registry)
@@ -531,10 +525,33 @@ class TestSwitches:
 
         assert adopter.checked == [] and adopter.adopted == [] and adopter.exported == []
         assert (exported.method, loaded.method) == ("Adam.state_dict", "Adam.load_state_dict")
-        for outcome in (exported, loaded):
-            assert outcome.adopter is None
-            assert outcome.fallback_reason == "OptimizerConfig.optimizer_state_adoption is False"
+        if off == "config":
+            reason = "OptimizerConfig.optimizer_state_adoption is False"
+        assert (exported.adopter, exported.fallback_reason) == (None, reason)
+        assert (loaded.adopter, loaded.fallback_reason) == (None, reason)
         _assert_same_state(optimizer, source)
+
+    @pytest.mark.parametrize("value, off", [("1", True), ("0", False)])
+    def test_environment_switch_is_read_once_at_import(self, value, off):
+        script = textwrap.dedent(f"""
+            import os
+            from megatron.core.optimizer.state_adoption import default_registry
+            before = default_registry().switched_off
+            os.environ["{SWITCH_VARIABLE}"] = "0" if {off} else "1"
+            assert default_registry().switched_off == before
+            print("SWITCHED_OFF", before)
+            """)
+        megatron_root = os.path.dirname(os.path.dirname(sys.modules["megatron.core"].__file__))
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, SWITCH_VARIABLE: value},
+            cwd=megatron_root,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        (line,) = [row for row in result.stdout.splitlines() if row.startswith("SWITCHED_OFF")]
+        assert line == (f"SWITCHED_OFF {SWITCH_VARIABLE}=1 is set" if off else "SWITCHED_OFF None")
 
     def test_megatron_lm_argument_reaches_the_config(self):
         from megatron.training.arguments import add_megatron_arguments
