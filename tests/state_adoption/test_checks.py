@@ -310,6 +310,13 @@ def _swapped_with_held(optimizer: torch.optim.Optimizer, given: Dict[str, Any]) 
     optimizer.state[params_of(optimizer)[2]]["momentum_buffer"] = kept
 
 
+def _kept_held(optimizer: torch.optim.Optimizer, given: Dict[str, Any]) -> None:
+    """Installs everything but keeps parameter 1's old tensor: its incoming values never load."""
+    kept = optimizer.state[params_of(optimizer)[1]]["momentum_buffer"]
+    _pytorch(optimizer, given)
+    optimizer.state[params_of(optimizer)[1]]["momentum_buffer"] = kept
+
+
 def _nested(given: Dict[str, Any]) -> None:
     """Parameter 0's incoming tensor covers elements 0 to 5 of a buffer, parameter 1's 1 and 2."""
     buffer = torch.zeros(9)
@@ -361,6 +368,8 @@ INSTALLS = [
        "another parameter's incoming tensor"),
     _C(_buffer(0, lambda o, g: g["state"][2]["momentum_buffer"].view(2, 3)[1]),
        f"{MB} 0 overlaps an incoming tensor {OTHERS}", "... through a view"),
+    _C(_kept_held, f"{MB} 1 is the tensor held before, not the incoming one",
+       "its own held tensor kept instead of the incoming", holds=True),
     _C(_swapped_with_held, f"{MB} 2 overlaps a tensor held before {OTHERS}",
        "another parameter's held tensor", holds=True),
     _C(_buffer(2, lambda o, g: g["state"][0]["momentum_buffer"]._base[3:9]),

@@ -288,8 +288,8 @@ def installed_state_problem(
     """Check an install against what every loader gets right: the parameters stay in their
     groups, which get the state dict's hyper-parameters; exactly the parameters the state dict
     has state for get state, with its keys (None values may be left out); each tensor is the
-    incoming one, the one held before (``held``, by ``id(param)``), or new memory shaped and
-    placed as the incoming one. (Whether the incoming tensors may be kept by reference is the
+    incoming one or new memory shaped and placed as it, never one held before (``held``, by
+    ``id(param)``) or another parameter's. (Whether the incoming tensors may be kept by reference is the
     adopter's rule: PyTorch's own loader keeps tensors of the right dtype and device, TE's
     copies; :func:`incoming_state_problem` keeps only what the call site owns or was held.)"""
     groups, flat = optimizer.param_groups, [param for group in params for param in group]
@@ -331,11 +331,14 @@ def installed_state_problem(
 def _installed_tensor_problem(
     value: Any, source: Any, before: Any, earlier: Extents
 ) -> Optional[str]:
-    """One installed tensor: the incoming one, the one held before, or new memory like it."""
+    """One installed tensor: the incoming one, or new memory shaped and placed like it (never
+    the one held before in its place: that would leave the incoming values unloaded)."""
     if not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor):
         return None
-    if same_memory(value, source) or same_memory(value, before):
+    if same_memory(value, source):
         return None
+    if same_memory(value, before):
+        return "is the tensor held before, not the incoming one"
     overlapped = earlier.overlap(value)
     if overlapped is not None:
         return f"overlaps {overlapped} of another parameter or key"
