@@ -415,10 +415,7 @@ def _module_node(tree: ast.Module, kind: type, name: str, what: str) -> ast.AST:
 
 def _line_start(text: str, lineno: int) -> int:
     """Character offset of the start of 1-based line ``lineno`` (``len(text)`` past the end)."""
-    offset = 0
-    for _ in range(lineno - 1):
-        offset = text.index("\n", offset) + 1
-    return offset
+    return min(len(text), sum(len(line) + 1 for line in text.split("\n")[: lineno - 1]))
 
 
 def _node_span(text: str, node: ast.AST) -> Tuple[int, int]:
@@ -755,7 +752,6 @@ class FileDiff:
 
     path: str
     pre_blob: str
-    post_blob: str
     new_file: bool
     hunks: List[Hunk]
 
@@ -770,7 +766,7 @@ def read_series_patch(text: str) -> List[FileDiff]:
     diffs: List[FileDiff] = []
     sections = re.split(r"^diff --git a/\S+ b/(\S+)\n", text, flags=re.MULTILINE)
     for path, body in zip(sections[1::2], sections[2::2]):
-        index = re.search(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)", body, re.MULTILINE)
+        index = re.search(r"^index ([0-9a-f]+)\.\.", body, re.MULTILINE)
         if index is None:
             raise SeriesError(f"no index line for {path}")
         body = body.split("\n-- \n")[0]  # a signature, if any
@@ -778,7 +774,6 @@ def read_series_patch(text: str) -> List[FileDiff]:
             FileDiff(
                 path=path,
                 pre_blob=index.group(1),
-                post_blob=index.group(2),
                 new_file="\nnew file mode" in "\n" + body.split("@@")[0],
                 hunks=parse_hunks(
                     f"+++ b/{path}\n" + body[body.index("@@") :], path, split_blocks=True
