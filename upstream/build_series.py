@@ -811,9 +811,11 @@ optimizer does not hold yet be installed by reference).
 One dispatcher enforces the rules that keep this safe, at every hook
 point. The own code runs, without asking any adopter, when adoption is
 switched off (OptimizerConfig.optimizer_state_adoption, added in the
-next commit), when the optimizer instance carries the method itself (a
-wrapper), or when hooks that the method runs are registered or cannot
-be inspected, so every hook runs as often as before. A check that
+next commit, or MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1 for the whole
+process, read once at import), when the optimizer instance carries the
+method itself (a wrapper), or when hooks that the method runs are
+registered or cannot be inspected, so every hook runs as often as
+before. A check that
 raises, or changes the optimizer, is a decline. An action that raises,
 or whose result is not what the own code would give (checked after
 every action), is undone and the own code runs. Every call ends in
@@ -954,7 +956,8 @@ itself. Every other configuration, and every case the dispatcher cannot
 prove safe, runs the inner optimizer's own code exactly as today.
 Adoption is on by default and switched off with
 OptimizerConfig.optimizer_state_adoption = False
-(--no-optimizer-state-adoption).
+(--no-optimizer-state-adoption), or for a whole process with
+MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1.
 
 1. the subsystem (megatron/core/optimizer/state_adoption/): the
    StateAdopter interface, the dispatcher, the registry with its
