@@ -1,12 +1,11 @@
 """Optimizer-state adoption: Megatron-Core's optimizers load checkpoints through state adopters.
 
 Where Megatron-Core hands loaded state to an inner optimizer (the call-site functions below),
-the first registered :class:`StateAdopter` that accepts does the work in place of the inner
-optimizer's own code, which runs unchanged otherwise. Built in and registered: the
-``te_fused_adam_fp32`` adopter, which installs Transformer Engine FusedAdam's FP32 moments by
-reference instead of as a second copy (8 bytes per parameter at the load peak). Built in and
-opt-in: :class:`TEFusedAdamPrecisionAwareStateAdopter`. ``OptimizerConfig.optimizer_state_adoption
-= False`` switches adoption off.
+the first registered :class:`StateAdopter` that accepts acts in place of the inner optimizer's
+own code. Registered: ``te_fused_adam_fp32``, which installs Transformer Engine FusedAdam's FP32
+moments by reference, not as a second copy (8 bytes per parameter at the load peak); opt-in:
+:class:`TEFusedAdamPrecisionAwareStateAdopter`. ``OptimizerConfig.optimizer_state_adoption``
+switches adoption off.
 """
 
 from .adopter import AdoptionContext, StateAdopter
@@ -18,8 +17,7 @@ from .call_sites import (
     store_read_optimizer_state,
     unscaled_state_or_read_target,
 )
-from .registry import AdoptionOutcome
-from .registry import StateAdopterRegistry, default_registry
+from .registry import AdoptionOutcome, StateAdopterRegistry, default_registry
 from .te_fused_adam import TEFusedAdamFP32StateAdopter, TEFusedAdamPrecisionAwareStateAdopter
 
 __all__ = [

@@ -7,30 +7,18 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 
 if TYPE_CHECKING:
-    from megatron.core.distributed.distributed_data_parallel_config import (
-        DistributedDataParallelConfig,
-    )
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
-
-__all__ = ["AdoptionContext", "StateAdopter"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class AdoptionContext:
-    """What an adopter is told about one call.
-
-    Attributes:
-        optimizer (torch.optim.Optimizer): the inner optimizer, e.g. TE's FusedAdam.
-        config (OptimizerConfig, optional): the owner's config.
-        ddp_config (DistributedDataParallelConfig, optional): the owner's DDP config; None for
-            the non-distributed optimizers.
-        is_stub_optimizer (bool): whether the owner is a stub without parameters.
-        state_dict (Mapping[str, Any], optional): the dict to install (load role only); neither
-            it nor its tensors may be written to.
-        owns_state_dict (bool): whether the call site built the dict and its tensors, so that
-            nobody else holds them; otherwise only tensors the optimizer holds already may be
-            installed by reference (the caller may keep and reuse the others).
-    """
+    """What an adopter is told about one call: the inner ``optimizer`` (e.g. TE's FusedAdam),
+    its owner's ``config``, ``ddp_config`` (None for the non-distributed optimizers) and
+    ``is_stub_optimizer``; for a load the ``state_dict`` to install (neither it nor its tensors
+    may be written to) and ``owns_state_dict``: whether the call site built the dict and its
+    tensors, so that nobody else holds them (otherwise the caller may keep and reuse the tensors
+    the optimizer does not hold already, which TE's loader copies)."""
 
     optimizer: torch.optim.Optimizer
     config: Optional["OptimizerConfig"] = None
@@ -54,15 +42,12 @@ class AdoptionContext:
 
 class StateAdopter(abc.ABC):
     """Does what the inner optimizer's own code does with loaded state, without its waste.
-
-    Subclasses set ``name`` and implement the load role; the export, initialize and read roles
-    decline with "not offered" unless overridden. Every check is side-effect free, may run on any
-    rank and must not communicate; it returns None to accept or a reason to decline, and one
-    that raises declines. An action runs only after its check accepted the same context and is
-    checked against what the own code gives; if it raises or does not match, the optimizer is
-    restored and the own code runs (a strict registry raises ``RuntimeError``). No role is
-    offered an optimizer with hooks for, or an instance attribute of, the method it stands in for.
-    """
+    Subclasses set ``name`` and the load role; the others decline ("not offered") unless
+    overridden. A check is side-effect free, runs on any rank without communicating and returns
+    None to accept or a reason (raising declines). An action runs only after its check accepted
+    and is checked against what the own code gives; if it raises or does not match, the optimizer
+    is restored and the own code runs (a strict registry raises). No role sees an optimizer with
+    hooks for, or an instance attribute of, the method it stands in for."""
 
     @property
     @abc.abstractmethod

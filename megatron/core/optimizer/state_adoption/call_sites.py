@@ -1,11 +1,7 @@
-"""The functions Megatron-Core's optimizers call where they hand state to the inner optimizer.
-
-Each stands for one upstream call and makes it unchanged wherever no adopter handles the call:
-``optimizer.load_state_dict`` (``DistributedOptimizer``, both branches;
-``Float16OptimizerWithFloat16Params``; ``FP32Optimizer``), ``optimizer.state_dict()``,
-Megatron-FSDP's dummy step, and ``get_unscaled_state``/``set_scaled_state`` while a
-precision-aware ``dp_reshardable`` sharded state dict is built for loading and read.
-"""
+"""What Megatron-Core's optimizers call where they hand state to the inner optimizer: each makes
+upstream's call unchanged (``load_state_dict``, ``state_dict()``, Megatron-FSDP's dummy step,
+``get_unscaled_state``/``set_scaled_state`` of a precision-aware ``dp_reshardable`` load) unless
+an adopter handles it."""
 
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -17,15 +13,6 @@ from .adopter import StateAdopter
 from . import checks
 from .dispatch import Call, HookPoint, own_label, run
 from .registry import StateAdopterRegistry
-
-__all__ = [
-    "export_inner_optimizer_state_dict",
-    "initialize_inner_optimizer_state",
-    "load_inner_optimizer_state_dict",
-    "reading_optimizer_state",
-    "store_read_optimizer_state",
-    "unscaled_state_or_read_target",
-]
 
 
 def load_inner_optimizer_state_dict(
@@ -128,8 +115,9 @@ class _Read:
                     False,
                     f"adopter {self.adopter.name!r} failed for {label}",
                 )
-                rest = "get_unscaled_state serves the rest"
-                self.call.registry.fall_back(self.reason, error, rest)
+                self.call.registry.fall_back(
+                    self.reason, error, "get_unscaled_state serves the rest"
+                )
         unscaled: torch.Tensor = optimizer.get_unscaled_state(param, name)
         self.targets.append(unscaled)
         return unscaled
@@ -183,7 +171,8 @@ def store_read_optimizer_state(
 ) -> None:
     """Store what was read for state ``name`` of ``param`` as ``set_scaled_state`` would: the
     held tensor read in place stays; a BF16 tensor of a held BF16 state's shape holds TE's cast
-    already and is copied in; anything else goes to ``owner.optimizer.set_scaled_state``."""
+    already and is copied in; anything else goes to ``owner.optimizer.set_scaled_state``.
+    """
     optimizer: Any = owner.optimizer
     entry = optimizer.state.get(param)
     held = entry.get(name) if isinstance(entry, Mapping) else None

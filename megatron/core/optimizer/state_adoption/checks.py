@@ -1,9 +1,6 @@
-"""Side-effect-free checks of incoming, installed, exported, initialized and read-target state.
-
-Each returns None when its rule holds, else a reason. Adopters chain them in their checks; the
-dispatcher applies the result checks to every adopter's work. Tensors are compared by the bytes
-they cover in their storage, so views, aliases and overlaps are found whoever holds them.
-"""
+"""Side-effect-free checks of incoming, installed, exported, initialized and read-target state:
+None if the rule holds, else a reason. Tensors are compared by the bytes they cover in their
+storage, so views, aliases and overlaps are found whoever holds them."""
 
 import bisect
 from itertools import chain
@@ -11,18 +8,11 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__: List[str] = []
-
 ExpectedState = Mapping[str, torch.dtype]
 """State keys of one parameter, each with the dtype it must have."""
 
 _PLAIN_CAST_DTYPES = (torch.bfloat16, torch.float32, torch.int16)
 _MISSING = object()
-
-
-def first_problem(*checks: Callable[[], Optional[str]]) -> Optional[str]:
-    """Run ``checks`` in order (later ones may rely on earlier ones); return the first reason."""
-    return next((reason for reason in (check() for check in checks) if reason is not None), None)
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -38,9 +28,7 @@ def tensors_of(state: Any) -> List[torch.Tensor]:
     return [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, list) else []
 
 
-def params_problem(
-    optimizer: torch.optim.Optimizer, rule: Callable[[Any], Optional[str]]
-) -> Optional[str]:
+def params_problem(optimizer: Any, rule: Callable[[Any], Optional[str]]) -> Optional[str]:
     """The first parameter ``rule`` declines, named by its position; None if none."""
     reasons = ((index, rule(param)) for index, param in enumerate(params_of(optimizer)))
     return next((f"parameter {index}: {reason}" for index, reason in reasons if reason), None)
@@ -63,7 +51,7 @@ def extent(tensor: torch.Tensor) -> Optional[Tuple[int, int, int]]:
         return None
     span = 1 + sum((size - 1) * abs(step) for size, step in zip(shard.shape, shard.stride()))
     start = int(shard.storage_offset()) * shard.element_size()
-    return shard.untyped_storage().data_ptr(), start, start + int(span) * shard.element_size()
+    return (shard.untyped_storage().data_ptr(), start, start + int(span) * shard.element_size())
 
 
 class Extents:
@@ -102,10 +90,8 @@ def owner_problem(context: Any, precision_aware: bool) -> Optional[str]:
         return "the owner is a stub optimizer"
     if config is None:
         return "the owner's OptimizerConfig is unknown"
-    for flag, required in (
-        ("optimizer_cpu_offload", False),
-        ("use_precision_aware_optimizer", precision_aware),
-    ):
+    flags = {"optimizer_cpu_offload": False, "use_precision_aware_optimizer": precision_aware}
+    for flag, required in flags.items():
         if not hasattr(config, flag):
             return f"{type(config).__name__} has no '{flag}'"
         if bool(getattr(config, flag)) != required:
@@ -115,7 +101,8 @@ def owner_problem(context: Any, precision_aware: bool) -> Optional[str]:
 
 def tensor_problem(value: Any, dtype: torch.dtype, like: torch.Tensor) -> Optional[str]:
     """Accept a dense, contiguous, plain ``dtype`` tensor on ``like``'s device and of its shape,
-    not requiring grad; for a DTensor ``like``, a DTensor of its layout whose shard is one."""
+    not requiring grad; for a DTensor ``like``, a DTensor of its layout whose shard is one.
+    """
     if is_dtensor(like):
         if not is_dtensor(value):
             return f"is a {type(value).__name__}, the parameter a DTensor"
@@ -200,7 +187,8 @@ def incoming_state_problem(
     """Check a load's state dict for installing by reference: PyTorch's group validation; every
     parameter accepted by ``param_problem`` with one entry (none for an empty local shard) of
     exactly the keys of ``expected(param)``, each tensor meeting :func:`tensor_problem`, none
-    overlapping another or a parameter; each held already unless the call site owns the dict."""
+    overlapping another or a parameter; each held already unless the call site owns the dict.
+    """
     optimizer, state_dict = context.optimizer, context.state_dict
     reason = param_groups_problem(optimizer, state_dict)
     if reason is not None:
@@ -262,19 +250,14 @@ def same_value(installed: Any, given: Any) -> bool:
     ``==`` of their own by type (PyTorch's loader installs deep copies)."""
     if installed is given:
         return True
+    if isinstance(installed, torch.Tensor) and isinstance(given, torch.Tensor):
+        same_layout = (installed.dtype, installed.shape) == (given.dtype, given.shape)
+        return same_layout and bool(torch.equal(installed.cpu(), given.cpu()))
     if isinstance(installed, torch.Tensor) or isinstance(given, torch.Tensor):
-        return (
-            isinstance(installed, torch.Tensor)
-            and isinstance(given, torch.Tensor)
-            and (installed.dtype, installed.shape) == (given.dtype, given.shape)
-            and bool(torch.equal(installed.cpu(), given.cpu()))
-        )
-    if type(installed) is not type(given):
         return False
-    if getattr(type(given), "__eq__") is getattr(object, "__eq__"):
-        return True  # a deep copy of an object without its own == is the same value
-    try:
-        return bool(installed == given)
+    try:  # a deep copy of an object without an == of its own is the same value
+        own_eq = getattr(type(given), "__eq__") is not getattr(object, "__eq__")
+        return type(installed) is type(given) and (not own_eq or bool(installed == given))
     except Exception:  # a value without a usable == is not the given one
         return False
 
@@ -288,10 +271,9 @@ def installed_state_problem(
     """Check an install against what every loader gets right: the parameters stay in their
     groups, which get the state dict's hyper-parameters; exactly the parameters the state dict
     has state for get state, with its keys (None values may be left out); each tensor is the
-    incoming one or new memory shaped and placed as it, never one held before (``held``, by
-    ``id(param)``) or another parameter's. (Whether the incoming tensors may be kept by reference is the
-    adopter's rule: PyTorch's own loader keeps tensors of the right dtype and device, TE's
-    copies; :func:`incoming_state_problem` keeps only what the call site owns or was held.)"""
+    incoming one or new memory shaped and placed as it, never a tensor held before (``held``, by
+    ``id(param)``) or another parameter's. (Whether incoming tensors may be kept by reference is
+    the adopter's rule: PyTorch's loader keeps them, TE's copies.)"""
     groups, flat = optimizer.param_groups, [param for group in params for param in group]
     if [len(g["params"]) for g in groups] != [len(p) for p in params] or any(
         a is not b for g, p in zip(groups, params) for a, b in zip(g["params"], p)
@@ -305,14 +287,12 @@ def installed_state_problem(
     if any(isinstance(key, torch.Tensor) and id(key) not in known for key in optimizer.state):
         return "there is state for a tensor that is no parameter of the optimizer"
     earlier = Extents()
-    for value in tensors_of(held):
-        earlier.add(value, "a tensor held before")
-    for value in tensors_of(given["state"]):
-        earlier.add(value, "an incoming tensor")
-    ids = chain.from_iterable(group["params"] for group in given["param_groups"])
-    for index, (state_id, param) in enumerate(zip(ids, flat)):
-        entry, source = optimizer.state.get(param), given["state"].get(state_id)
-        if source is None:
+    for label, state in (("a tensor held before", held), ("an incoming tensor", given["state"])):
+        for value in tensors_of(state):
+            earlier.add(value, label)
+    for index, param, source in paired_state(optimizer, given):  # the parameters are as before
+        entry = optimizer.state.get(param)
+        if source is _MISSING or source is None:
             if entry:
                 return f"parameter {index} has state, the state dict none"
             continue
@@ -349,7 +329,8 @@ def _installed_tensor_problem(
 
 def exported_state_problem(optimizer: torch.optim.Optimizer, exported: Any) -> Optional[str]:
     """Check that an export is PyTorch's state dict of the optimizer as it holds its state
-    (:func:`held_state_dict`): the same keys and ids, each tensor the held one itself."""
+    (:func:`held_state_dict`): the same keys and ids, each tensor the held one itself.
+    """
     return mismatch(exported, held_state_dict(optimizer), "the export")
 
 

@@ -7,7 +7,7 @@ import copy
 import enum
 import logging
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -17,8 +17,6 @@ from megatron.core.utils import log_single_rank
 from .adopter import AdoptionContext, StateAdopter
 from .checks import extent, local, params_of, tensors_of
 from .registry import AdoptionOutcome, StateAdopterRegistry, default_registry
-
-__all__: List[str] = []
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +62,7 @@ def gate_reason(point: HookPoint, owner: Any, registry: StateAdopterRegistry) ->
     kinds = () if point is HookPoint.READ else ("pre", "post")
     tables = [getattr(optimizer, f"_optimizer_{methods[0]}_{kind}_hooks", None) for kind in kinds]
     if point is HookPoint.INITIALIZE:
-        tables += [
-            getattr(torch_optimizer, f"_global_optimizer_{kind}_hooks", None) for kind in kinds
-        ]
+        tables += [getattr(torch_optimizer, f"_global_optimizer_{k}_hooks", None) for k in kinds]
         if len(optimizer.state) > 0:
             return "the optimizer holds state already, which the own initialization steps"
         params = params_of(optimizer)
@@ -94,14 +90,6 @@ def _containers(value: Any, depth: int = 5) -> List[Tuple[Any, Any]]:
     return pairs + [pair for item in items for pair in _containers(item, depth - 1)]
 
 
-def _version(tensor: torch.Tensor) -> int:
-    """A tensor's version counter, which every in-place write advances (-1 if it has none)."""
-    try:
-        return int(local(tensor)._version)
-    except RuntimeError:  # an inference tensor
-        return -1
-
-
 class Snapshot:
     """Before an adopter acts: the optimizer's and the incoming dict's containers, to restore them
     exactly (the same objects, refilled), and each tensor's version, to see writes (which nothing
@@ -109,22 +97,17 @@ class Snapshot:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
-        self._optimizer, self._state, self._groups = (
-            optimizer,
-            optimizer.state,
-            optimizer.param_groups,
-        )
+        self._optimizer, self._state = optimizer, optimizer.state
+        self._groups = optimizer.param_groups
         self._containers = _containers([optimizer.state, optimizer.param_groups, state_dict])
         self.params = [list(group["params"]) for group in optimizer.param_groups]
         self.held = {id(key): dict(entry) for key, entry in optimizer.state.items()}
-        values = [
-            v for _, c in self._containers for v in (c if isinstance(c, list) else c.values())
-        ]
-        tensors_kept = {id(v): v for v in values if isinstance(v, torch.Tensor)}
+        copies = [c if isinstance(c, list) else list(c.values()) for _, c in self._containers]
+        tensors_kept = {id(v): v for c in copies for v in c if isinstance(v, torch.Tensor)}
         self.given = copy.deepcopy(state_dict, tensors_kept)  # its containers; tensors shared
         tensors = tensors_of(self.held) + params_of(optimizer)
         tensors += tensors_of(self.given.get("state") if isinstance(self.given, dict) else None)
-        self._versions = [(tensor, _version(tensor)) for tensor in tensors]
+        self._versions = [(tensor, int(local(tensor)._version)) for tensor in tensors]
 
     def restore(self) -> None:
         """Refill every container; put back the optimizer's ``state`` and ``param_groups``
@@ -143,23 +126,19 @@ class Snapshot:
         if optimizer.state is not self._state or optimizer.param_groups is not self._groups:
             return "it replaced the optimizer's state or param groups"
         for container, copy in self._containers:
-            pairs: Iterable[Tuple[Any, Any]] = (
-                zip(container, copy)
-                if isinstance(container, list)
-                else ((container.get(key, _MISSING), item) for key, item in copy.items())
-            )
-            if len(container) != len(copy) or any(a is not b for a, b in pairs):
+            is_list = isinstance(container, list)
+            now = container if is_list else [container.get(key, _MISSING) for key in copy]
+            was = copy if is_list else list(copy.values())
+            if len(container) != len(copy) or any(a is not b for a, b in zip(now, was)):
                 return "it changed the optimizer's containers or the state dict's"
         return self.written()
 
     def written(self) -> Optional[str]:
         """That a tensor was written into since the capture, or None."""
-        count = sum(_version(tensor) != version for tensor, version in self._versions)
-        return (
-            f"it wrote into {count} tensor(s) of the state, parameters or state dict"
-            if count
-            else None
-        )
+        count = sum(int(local(tensor)._version) != version for tensor, version in self._versions)
+        if count == 0:
+            return None
+        return f"it wrote into {count} tensor(s) of the state, parameters or state dict"
 
 
 class Call:
@@ -172,45 +151,45 @@ class Call:
         self.registry = default_registry() if registry is None else registry
         self.context = AdoptionContext.for_owner(owner, **fields)
         given = self.context.state_dict
-        self.existing = Existing(
-            self.optimizer.state, given.get("state") if isinstance(given, Mapping) else None
-        )
+        states = (self.optimizer.state, given.get("state") if isinstance(given, Mapping) else None)
+        # The storages before the call, held weakly: the call may free one and reuse its address.
+        places = [(weakref.ref(t), extent(t)) for state in states for t in tensors_of(state)]
+        self._storages = [(tensor, place[0]) for tensor, place in places if place is not None]
         self.declines: List[Tuple[str, str]] = []
         self.finished = False
 
     def consult(self) -> Tuple[Optional[StateAdopter], Optional[str]]:
         """The first adopter whose check accepts, or None and why none. A check that raises,
-        answers nonsense or changes containers (undone) declines; one that writes raises."""
+        answers nonsense or changes containers (undone) declines; one that writes raises.
+        """
         reason = gate_reason(self.point, self.owner, self.registry)
         if reason is not None:
             return None, reason
+        fall_back = self.registry.fall_back
         for adopter, _ in self.registry.registrations():
             before = Snapshot(self.optimizer, self.context.state_dict)
             try:
                 decline = getattr(adopter, GATES[self.point][0])(self.context)
             except Exception as error:
                 decline = f"its check raised {type(error).__name__}: {error}"
-                self.registry.fall_back(
-                    f"adopter {adopter.name!r} raised in its check", error, _DECLINE
-                )
-            change = before.changed()
-            if change is not None:
+                fall_back(f"adopter {adopter.name!r} raised in its check", error, _DECLINE)
+            if before.changed() is not None:
                 before.restore()
                 if before.written() is not None:
                     raise RuntimeError(f"adopter {adopter.name!r} wrote into tensors in its check")
-                self.registry.fall_back(
-                    f"adopter {adopter.name!r} changed the optimizer in its check", instead=_DECLINE
+                fall_back(
+                    f"adopter {adopter.name!r} changed the optimizer in its check", None, _DECLINE
                 )
                 decline = "its check changed the optimizer"
             if decline is None:
                 return adopter, None
             if not isinstance(decline, str):
-                self.registry.fall_back(
-                    f"adopter {adopter.name!r} answered {decline!r} in its check", instead=_DECLINE
+                fall_back(
+                    f"adopter {adopter.name!r} answered {decline!r} in its check", None, _DECLINE
                 )
                 decline = f"its check returned a {type(decline).__name__}"
             self.declines.append((adopter.name, decline))
-        return None, "every adopter declined" if self.declines else "no adopter is registered"
+        return None, ("every adopter declined" if self.declines else "no adopter is registered")
 
     def finish(
         self,
@@ -224,7 +203,7 @@ class Call:
         if self.finished:
             return
         self.finished = True
-        reused, allocated = (0, 0) if error is not None else self.existing.measure(result)
+        reused, allocated = (0, 0) if error is not None else self.measure(result)
         failure = None if error is None else f"{type(error).__name__}: {error}"
         outcome = AdoptionOutcome(
             self.point.value, describe(self.optimizer), adopter, method, reused, allocated,
@@ -232,6 +211,22 @@ class Call:
         )  # fmt: skip
         log(outcome, GATES[self.point][1])
         self.registry.report(outcome)
+
+    def measure(self, state: Any) -> Tuple[int, int]:
+        """(bytes in storage alive since before the call, in new storage) of ``state``; each
+        storage counted once, by the bytes its tensors span."""
+        kept = [(storage, ref()) for ref, storage in self._storages]
+        alive = {s for s, t in kept if t is not None and (extent(t) or (0,))[0] == s}
+        spans: Dict[int, List[Tuple[int, int]]] = {}
+        for place in filter(None, map(extent, tensors_of(state))):
+            spans.setdefault(place[0], []).append(place[1:])
+        counts = [0, 0]
+        for storage, ranges in spans.items():
+            reached = 0
+            for start, end in sorted(ranges):
+                counts[storage not in alive] += max(0, end - max(start, reached))
+                reached = max(reached, end)
+        return counts[0], counts[1]
 
 
 def run(
@@ -245,21 +240,9 @@ def run(
     registry: Optional[StateAdopterRegistry] = None,
     **fields: Any,
 ) -> T:
-    """Let the first accepting adopter handle the call, or run ``own`` as upstream does.
-
-    Args:
-        point (HookPoint): the hook point.
-        owner (Any): the Megatron optimizer whose inner optimizer's state is handled.
-        attempt (Callable): what the accepting adopter does; returns the call's result.
-        verify (Callable): checks that result against the own code's; None if it holds.
-        own (Callable): upstream's code.
-        own_name (str, optional): names ``own`` in the outcome (default: upstream's method).
-        registry (StateAdopterRegistry, optional): defaults to the process-wide registry.
-        **fields (Any): more fields of the adopters' context (a load's state dict).
-
-    Returns:
-        T: the adopter's verified result, or ``own()``'s.
-    """
+    """The first accepting adopter's ``attempt`` if ``verify`` (against the own code's result)
+    finds nothing wrong with it, else upstream's ``own()`` (named ``own_name`` in the outcome);
+    ``fields`` complete the adopters' context (a load's state dict)."""
     call = Call(point, owner, registry, **fields)
     method: Optional[str] = None
     reason: Optional[str] = "interrupted while consulting the adopters"
@@ -303,40 +286,9 @@ def run(
 
 def describe(optimizer: torch.optim.Optimizer) -> str:
     """Name an inner optimizer so that a ChainedOptimizer's optimizers differ in the logs."""
-    name = f"{type(optimizer).__name__} {id(optimizer):#x}"
-    try:
-        params = params_of(optimizer)
-        return f"{name} ({len(params)} params, {sum(local(p).numel() for p in params):,} elements)"
-    except Exception:  # a malformed optimizer is reported by its own code
-        return name
-
-
-class Existing:
-    """The state's storages before a call, held weakly: the call may free one and reuse its
-    address."""
-
-    def __init__(self, *states: Any) -> None:
-        places = [(weakref.ref(t), extent(t)) for state in states for t in tensors_of(state)]
-        self._storages = [(tensor, place[0]) for tensor, place in places if place is not None]
-
-    def measure(self, state: Any) -> Tuple[int, int]:
-        """(bytes in storage alive since before the call, in new storage) of ``state``; each
-        storage counted once, by the bytes its tensors span."""
-        alive = {
-            s
-            for ref, s in self._storages
-            if (t := ref()) is not None and (extent(t) or (0,))[0] == s
-        }
-        spans: Dict[int, List[Tuple[int, int]]] = {}
-        for place in filter(None, map(extent, tensors_of(state))):
-            spans.setdefault(place[0], []).append(place[1:])
-        counts = [0, 0]
-        for storage, ranges in spans.items():
-            reached = 0
-            for start, end in sorted(ranges):
-                counts[storage not in alive] += max(0, end - max(start, reached))
-                reached = max(reached, end)
-        return counts[0], counts[1]
+    params = params_of(optimizer)
+    elements = sum(local(p).numel() for p in params)
+    return f"{type(optimizer).__name__} {id(optimizer):#x} ({len(params)} params, {elements:,} elements)"
 
 
 def _size(count: int) -> str:
@@ -346,9 +298,8 @@ def _size(count: int) -> str:
 def log(outcome: AdoptionOutcome, verb: str) -> None:
     """Declines at debug and the result at info on rank 0; errors on every rank."""
     for name, reason in outcome.declines:
-        log_single_rank(
-            logger, logging.DEBUG, f"Optimizer state adopter {name!r} declined: {reason}"
-        )
+        message = f"Optimizer state adopter {name!r} declined: {reason}"
+        log_single_rank(logger, logging.DEBUG, message)
     sizes = f"{_size(outcome.reused_bytes)} by reference, {_size(outcome.allocated_bytes)} newly allocated"
     what = f"the state of {outcome.optimizer}"
     if outcome.error is not None:
@@ -361,7 +312,7 @@ def log(outcome: AdoptionOutcome, verb: str) -> None:
         if outcome.allocated_bytes > 0 and outcome.hook_point in ("load", "export"):
             logger.warning(f"{message}: new memory instead of the tensors it was given")
     else:
-        level = logging.INFO if outcome.hook_point == "load" else logging.DEBUG
+        message = f"{outcome.method} {verb} {what} ({outcome.fallback_reason}): {sizes}"
         log_single_rank(
-            logger, level, f"{outcome.method} {verb} {what} ({outcome.fallback_reason}): {sizes}"
+            logger, logging.INFO if outcome.hook_point == "load" else logging.DEBUG, message
         )

@@ -1,11 +1,9 @@
 """The ordered registry of state adopters, their plugins and the outcome hooks.
 
-Adopters are tried in this order, whenever they were registered: the built-in ones, the plugins
-(entry-point group ``megatron_core.optimizer_state_adopters``, by entry-point name), those
-registered in code (in order); ``prepend=True`` puts one before all, the latest first, as in
-PyTorch's ``register_*_hook``. :meth:`StateAdopterRegistry.load_plugins`, which Megatron-Core
-calls when it constructs an optimizer, loads the plugins once: each entry point names a
-zero-argument callable returning an adopter whose ``name`` is the entry point's::
+Adopters are tried in this order: the built-in ones, the plugins (by entry-point name), those
+registered in code; ``prepend=True`` puts one before all, the latest first, as in PyTorch's
+``register_*_hook``. Megatron-Core loads the plugins once, when it constructs an optimizer: each
+entry point names a zero-argument callable returning an adopter of the entry point's ``name``::
 
     [project.entry-points."megatron_core.optimizer_state_adopters"]
     my_adam = "my_package.adoption:MyAdamStateAdopter"
@@ -24,8 +22,6 @@ from torch.utils.hooks import RemovableHandle
 
 from .adopter import StateAdopter
 
-__all__ = ["AdoptionOutcome", "StateAdopterRegistry", "default_registry"]
-
 logger = logging.getLogger(__name__)
 
 PLUGIN_GROUP = "megatron_core.optimizer_state_adopters"
@@ -36,26 +32,13 @@ _PREPENDED, _BUILT_IN, _PLUGIN, _CODE = range(4)
 
 @dataclass(frozen=True)
 class AdoptionOutcome:
-    """What one call at a hook point did.
-
-    The byte counts are measured after the call, whoever handled it: the bytes of the resulting
-    state held in storage that existed before the call (installed by reference) and in storage
-    the call created, each storage counted once. They describe this call only; the two loads of
-    one resume follow each other, so their figures do not add up.
-
-    Attributes:
-        hook_point (str): ``"load"``, ``"export"``, ``"initialize"`` or ``"read"``.
-        optimizer (str): the inner optimizer, e.g. ``"FusedAdam 0x7f3a2c1b (40 params,
-            52,428,800 elements)"``, which tells a ChainedOptimizer's optimizers apart.
-        adopter (str, optional): the adopter that handled the call; None if the own code did.
-        method (str, optional): the own code that ran instead, e.g.
-            ``"FusedAdam.load_state_dict"``; None if an adopter handled the call.
-        reused_bytes (int): bytes of the result in storage that existed before the call.
-        allocated_bytes (int): bytes of the result in storage the call created.
-        declines (Tuple[Tuple[str, str], ...]): (adopter, reason) for each adopter asked in vain.
-        fallback_reason (str, optional): why the own code ran; None if an adopter handled it.
-        error (str, optional): the exception that ended the call (re-raised unchanged).
-    """
+    """What one call at a hook point (``"load"``, ``"export"``, ``"initialize"``, ``"read"``)
+    did to an inner optimizer (e.g. ``"FusedAdam 0x7f3a2c1b (40 params, 52,428,800 elements)"``):
+    the ``adopter`` that handled it or the own ``method`` that ran and why (``fallback_reason``),
+    the ``declines`` (adopter, reason) before, the ``error`` that ended it (re-raised unchanged).
+    ``reused_bytes``/``allocated_bytes``: the resulting state in storage that existed before the
+    call (installed by reference) or that it created, measured, each storage once; per call (the
+    two loads of one resume do not add up)."""
 
     hook_point: str
     optimizer: str
@@ -121,15 +104,9 @@ class StateAdopterRegistry:
         self, adopter: StateAdopter, prepend: bool = False, *, built_in: bool = False
     ) -> RemovableHandle:
         """Register ``adopter`` after the others of its kind (``built_in``: Megatron-Core's own,
-        before plugins), or with ``prepend`` before all.
-
-        Returns:
-            torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters it.
-
-        Raises:
-            TypeError: if ``adopter`` is no ``StateAdopter`` or its name is invalid.
-            ValueError: if an adopter of that name is registered.
-        """
+        before plugins), or with ``prepend`` before all; ``handle.remove()`` unregisters it.
+        Raises ``TypeError`` for no ``StateAdopter`` or an invalid name, ``ValueError`` for a
+        taken one."""
         return self._add(adopter, _PREPENDED if prepend else _BUILT_IN if built_in else _CODE)
 
     def registrations(self) -> Tuple[Tuple[StateAdopter, RemovableHandle], ...]:
@@ -139,11 +116,8 @@ class StateAdopterRegistry:
     def register_outcome_hook(
         self, hook: Callable[[AdoptionOutcome], None], prepend: bool = False
     ) -> RemovableHandle:
-        """Call ``hook(outcome)`` on this rank after every call that consults this registry.
-
-        Returns:
-            torch.utils.hooks.RemovableHandle: ``handle.remove()`` unregisters it.
-        """
+        """Call ``hook(outcome)`` on this rank after every call that consults this registry;
+        ``handle.remove()`` unregisters it."""
         if not callable(hook):
             raise TypeError(f"outcome hook {hook!r} is not callable")
         order = (_PREPENDED, -next(self._sequence)) if prepend else (_CODE, next(self._sequence))
@@ -165,14 +139,11 @@ class StateAdopterRegistry:
     ) -> None:
         """Log that ``what`` failed, and what runs ``instead``, as a warning on this rank; if
         strict, raise ``RuntimeError`` (nothing runs instead)."""
+        what = f"Optimizer state adoption: {what}"
         cause = f" ({type(error).__name__}: {error})" if error is not None else ""
         if self.strict:
-            raise RuntimeError(
-                f"Optimizer state adoption: {what}{cause} [strict registry]"
-            ) from error
-        logger.warning(
-            f"Optimizer state adoption: {what}{'; ' + instead if instead else ''}{cause}"
-        )
+            raise RuntimeError(f"{what}{cause} [strict registry]") from error
+        logger.warning(f"{what}{'; ' + instead if instead else ''}{cause}")
 
     def load_plugins(self) -> None:
         """Register the installed plugins' adopters, once; a broken one is a fallback."""
@@ -180,9 +151,8 @@ class StateAdopterRegistry:
             group, self._plugin_group = self._plugin_group, None
             for entry_point in sorted(entry_points(group=group or ""), key=lambda ep: ep.name):
                 dist = getattr(entry_point, "dist", None)
-                origin = f"entry point {entry_point.name} = {entry_point.value}" + (
-                    f" ({dist.name} {dist.version})" if dist is not None else ""
-                )
+                origin = f"entry point {entry_point.name} = {entry_point.value}"
+                origin += f" ({dist.name} {dist.version})" if dist is not None else ""
                 try:
                     self._add(entry_point.load()(), _PLUGIN, entry_point.name)
                 except Exception as error:  # a plugin must not break checkpoint loading
@@ -213,9 +183,9 @@ class StateAdopterRegistry:
 
 
 def _switched_off_by_environment() -> Optional[str]:
-    """``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION``, read once, at import: the drop-in build's
-    switch for Megatron-LM releases without ``--no-optimizer-state-adoption``. Only switches off;
-    a value it does not know switches off too, with a warning."""
+    """``MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION``, read once, at import (for Megatron-LM releases
+    without ``--no-optimizer-state-adoption``): it only switches off, an unknown value too.
+    """
     raw = os.environ.get(SWITCH_VARIABLE, "")
     if raw.strip().lower() in ("", "0", "false", "no", "off"):
         return None

@@ -1,15 +1,8 @@
-"""The adopters of Transformer Engine FusedAdam's state, which its loader copies: it runs
-PyTorch's loader, then allocates every state anew and copies the incoming one into it while the
-caller still holds that (TE 1.13 to 2.20; docs/te-releases.md). Each declines what it cannot
-prove equal to TE's result.
-
-* :class:`TEFusedAdamFP32StateAdopter` (registered): FP32 moments, no master weights. PyTorch's
-  loader alone installs the moments by reference; for Megatron-FSDP, TE's step without gradients
-  creates the state a checkpoint is read into, without the dummy step's zero gradients.
-* :class:`TEFusedAdamPrecisionAwareStateAdopter` (opt-in): BF16 moments, master weights (FP32 or
-  int16 remainders). It installs MCore's scaffold by reference, exports the held tensors, offers
-  the held BF16 moments as read targets (``torch_dist`` casts into them as TE's
-  ``copy_(fp32.bfloat16())``) and stores the payload into the held state as TE converts it.
+"""The adopters of Transformer Engine FusedAdam's state, whose loader (TE 1.13 to 2.20,
+docs/te-releases.md) runs PyTorch's, then allocates every state anew and copies the incoming one
+in while the caller still holds it. Each declines what it cannot prove equal to TE's result:
+:class:`TEFusedAdamFP32StateAdopter` (registered) for FP32 moments without master weights,
+:class:`TEFusedAdamPrecisionAwareStateAdopter` (opt-in) for BF16 moments with master weights.
 """
 
 import sys
@@ -24,8 +17,6 @@ from megatron.core.utils import get_te_version
 
 from .adopter import AdoptionContext, StateAdopter
 from . import checks
-
-__all__ = ["TEFusedAdamPrecisionAwareStateAdopter"]
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 # FusedAdam methods that allocate, scale or expose state: overriding one may rely on TE's loader.
@@ -60,26 +51,10 @@ def fused_adam_problem(
 
 class _TEFusedAdamAdopter(StateAdopter):
     """The class both recognise (``fused_adam_class``: a stand-in in CPU tests; default TE's),
-    the device type of every parameter and state tensor, and the owner's precision mode."""
+    the device type of every parameter and state tensor, the TE release (default
+    ``get_te_version()``), and the owner's precision mode."""
 
     precision_aware = False
-
-    def __init__(self, fused_adam_class: Optional[type] = None, device_type: str = "cuda") -> None:
-        self._fused_adam_class, self._device_type = fused_adam_class, device_type
-
-    def _mode_problem(self, context: AdoptionContext, settings_problem: Any) -> Optional[str]:
-        return checks.first_problem(
-            lambda: checks.owner_problem(context, self.precision_aware),
-            lambda: fused_adam_problem(context.optimizer, self._fused_adam_class),
-            lambda: settings_problem(context.optimizer),
-        )
-
-
-class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
-    """Installs FP32 Adam moments into TE FusedAdam by reference (``te_version``: the TE
-    release, default ``get_te_version()``)."""
-
-    name = "te_fused_adam_fp32"
 
     def __init__(
         self,
@@ -87,15 +62,29 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         device_type: str = "cuda",
         te_version: Optional[str] = None,
     ) -> None:
-        super().__init__(fused_adam_class, device_type)
+        self._fused_adam_class, self._device_type = fused_adam_class, device_type
         self._te_version = te_version
+
+    def _mode_problem(self, context: AdoptionContext, settings_problem: Any) -> Optional[str]:
+        return (  # in order: each check relies on the ones before
+            checks.owner_problem(context, self.precision_aware)
+            or fused_adam_problem(context.optimizer, self._fused_adam_class)
+            or settings_problem(context.optimizer)
+        )
+
+
+class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
+    """Installs FP32 Adam moments by reference: PyTorch's loader alone keeps them. For
+    Megatron-FSDP, TE's step without gradients creates the state a checkpoint is read into.
+    """
+
+    name = "te_fused_adam_fp32"
 
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """None if every eligibility rule holds, else the first that fails."""
         fp32 = dict.fromkeys(MOMENT_KEYS, torch.float32)
-        return checks.first_problem(
-            lambda: self._mode_problem(context, self._settings_problem),
-            lambda: checks.incoming_state_problem(context, self._param_problem, lambda param: fp32),
+        return self._mode_problem(context, self._settings_problem) or checks.incoming_state_problem(
+            context, self._param_problem, lambda param: fp32
         )
 
     def adopt(self, context: AdoptionContext) -> None:
@@ -108,10 +97,10 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         """Accept what the load accepts of the optimizer and its parameters: TE's step creates
         every parameter's zeroed moments and advances each group's ``step`` before it skips the
         parameters without gradients, launching no kernel."""
-        return checks.first_problem(
-            lambda: self._mode_problem(context, self._settings_problem),
-            lambda: fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",)),
-            lambda: checks.params_problem(context.optimizer, self._param_problem),
+        return (
+            self._mode_problem(context, self._settings_problem)
+            or fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",))
+            or checks.params_problem(context.optimizer, self._param_problem)
         )
 
     def _settings_problem(self, optimizer: Any) -> Optional[str]:
@@ -153,8 +142,10 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
 
 
 class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
-    """Loads, exports and reads TE FusedAdam's BF16-moment state without copies (opt-in:
-    register it, or install a plugin whose entry point names it)."""
+    """Installs MCore's scaffold by reference (TE's scales of one), exports the held tensors,
+    offers the held BF16 moments as read targets (``torch_dist`` casts into them as TE's
+    ``copy_(fp32.bfloat16())``), keeps the held state handed back, converted as TE converts it.
+    Opt-in: register it, or install a plugin whose entry point names it."""
 
     name = "te_fused_adam_precision_aware"
     precision_aware = True
@@ -175,10 +166,8 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         """Install the scaffold by reference, or store the payload into the held tensors."""
         optimizer: Any = context.optimizer
         assert context.state_dict is not None
-        pairs, payload = (
-            list(checks.paired_state(optimizer, context.state_dict)),
-            self._payload_problem(context) is None,
-        )
+        pairs = list(checks.paired_state(optimizer, context.state_dict))
+        payload = self._payload_problem(context) is None
         held = {id(param): optimizer.state.get(param) for _, param, _ in pairs}
         # PyTorch's loader would cast master weights to the BF16 parameters' dtype: groups only.
         torch.optim.Optimizer.load_state_dict(
@@ -199,10 +188,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a held state laid out as TE's loader leaves it, with scales of one."""
-        return checks.first_problem(
-            lambda: self._mode_problem(context, _bf16_settings_problem),
-            lambda: self._held_problem(context),
-        )
+        return self._mode_problem(context, _bf16_settings_problem) or self._held_problem(context)
 
     def export_state_dict(self, context: AdoptionContext) -> Dict[str, Any]:
         """PyTorch's state dict of the FusedAdam: its groups and the held tensors themselves."""
@@ -218,12 +204,9 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
     def read_target(self, context: AdoptionContext, param: torch.Tensor, name: str) -> torch.Tensor:
         """The held BF16 moment; for master weights TE's own target (the held tensor)."""
         optimizer: Any = context.optimizer
-        target = (
-            optimizer.state[param][name]
-            if name in MOMENT_KEYS
-            else optimizer.get_unscaled_state(param, name)
-        )
-        return target  # type: ignore[no-any-return]
+        if name in MOMENT_KEYS:
+            return optimizer.state[param][name]  # type: ignore[no-any-return]
+        return optimizer.get_unscaled_state(param, name)  # type: ignore[no-any-return]
 
     def _param_problem(self, param: torch.Tensor) -> Optional[str]:
         """Plain floating-point parameters on the device type."""
