@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_megatron_lm_client import USER_ARGS, _fake_megatron_lm
+from test_megatron_lm_client import USER_ARGS, _fake_megatron_lm, stand_in_megatron_core
 
 from benchmarks.resume_benchmark import cli
 from benchmarks.resume_benchmark.configs import (
@@ -92,7 +92,8 @@ def _invoke(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str, release: str = "0.19.2",
     upstream_release: str | None = None,
 ) -> tuple[int, Path]:  # fmt: skip
-    """``cli.main`` with the stand-in Megatron-LM tree; the side probes say ``release``."""
+    """``cli.main`` with the stand-in Megatron-LM tree; the side probes say ``release``; both
+    sides are sites with a stand-in megatron-core (the workers need none)."""
     probed: list[str] = []
 
     def probe(workspace: Any, side: Side) -> dict[str, Any]:
@@ -105,11 +106,11 @@ def _invoke(
     monkeypatch.setattr(cli, "_probe", probe)
     monkeypatch.setattr(cli, "check_cuda", lambda needed=1: None)
     tree = _fake_megatron_lm(tmp_path / "Megatron-LM")
-    (tmp_path / "up").mkdir()
+    up, build = (stand_in_megatron_core(tmp_path / name) for name in ("up", "build"))
     out = tmp_path / "out"
-    argv = ["--megatron-lm", str(tree), "--upstream", str(tmp_path / "up"), "--work-dir",
-            str(tmp_path / "work"), "--train-iters", "4", "--resume-at", "2", "--json-out",
-            str(out / "r.json"), "--markdown-out", str(out / "r.md"), *extra]  # fmt: skip
+    argv = ["--megatron-lm", str(tree), "--upstream", str(up), "--build", str(build),
+            "--work-dir", str(tmp_path / "work"), "--train-iters", "4", "--resume-at", "2",
+            "--json-out", str(out / "r.json"), "--markdown-out", str(out / "r.md"), *extra]  # fmt: skip
     out.mkdir()
     status = cli.main(argv)
     assert probed[:2] == ["build", "upstream"]

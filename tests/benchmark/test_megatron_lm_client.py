@@ -484,13 +484,27 @@ def _fake_megatron_lm(root: Path) -> Path:
     return root
 
 
-def _run_fake_client(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+def stand_in_megatron_core(site: Path) -> Path:
+    """A site whose ``megatron.core`` is an empty package: what the stand-in ``pretrain_gpt.py``
+    needs of a side (nothing), without the seconds each rank spends importing the real one.
+    The probe then records what it records of upstream (no state adoption, no phase functions);
+    its work with the real build is tested in test_the_four_runs_end_to_end and in
+    test_benchmark_adoption_records.py."""
+    (site / "megatron" / "core").mkdir(parents=True)
+    (site / "megatron" / "core" / "__init__.py").write_text('"""Stand-in megatron-core."""\n')
+    return site
+
+
+def _run_fake_client(tmp_path: Path, real_core: bool = False) -> tuple[dict[str, Any], Path]:
+    """The client's four runs with the stand-in Megatron-LM; both sides import this
+    environment's megatron-core (``real_core``) or :func:`stand_in_megatron_core`."""
     from benchmarks.resume_benchmark.driver import Workspace
     from benchmarks.resume_benchmark.sides import Side
 
     tree = _fake_megatron_lm(tmp_path / "Megatron-LM")
     workspace = Workspace(tmp_path / "work")
-    here = Side("build", None, "current environment")
+    core = None if real_core else stand_in_megatron_core(tmp_path / "core-site")
+    here = Side("build", core, "current environment" if real_core else f"stand-in {core}")
     sides = {"upstream": dataclasses.replace(here, label="upstream"), "build": here}
     setup = client.prepare_setup(
         sides, "0.19.2+stateadoption", (tree, None, None), workspace, 1, 300.0
@@ -501,8 +515,9 @@ def _run_fake_client(tmp_path: Path) -> tuple[dict[str, Any], Path]:
 
 
 def test_the_four_runs_end_to_end(tmp_path: Path) -> None:
-    """The real orchestration, launcher and probe on the CPU, with a stand-in pretrain_gpt.py."""
-    document, work = _run_fake_client(tmp_path)
+    """The real orchestration, launcher and probe on the CPU, with a stand-in pretrain_gpt.py,
+    and this environment's megatron-core (the build) on both sides."""
+    document, work = _run_fake_client(tmp_path, real_core=True)
     assert client.failed_phases(document) == []
     phases = document["phases"]
     assert list(phases) == ["train", "uninterrupted", "resume-upstream", "resume-build"]
@@ -525,6 +540,8 @@ def test_the_four_runs_end_to_end(tmp_path: Path) -> None:
     assert not any("WARNING" in note for note in document["notes"])
     training = Path(phases["resume-build"]["modules"]["megatron.training"])
     assert training.is_relative_to(work / "megatron-lm-client"), "the client's training code ran"
+    # the probe's outcome hook was on the build's registry: the stand-in loads no optimizer
+    assert phases["resume-build"]["outcomes"] == [] and phases["resume-build"]["installed_by"] is None
 
 
 def test_module_problems_name_code_from_elsewhere(tmp_path: Path) -> None:
