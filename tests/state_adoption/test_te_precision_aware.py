@@ -196,19 +196,6 @@ def test_the_payload_of_the_held_tensors_is_kept_and_converted_as_tes_loader_con
         ]
 
 
-def _export(optimizer: FusedAdamStandIn) -> Dict[str, Any]:
-    """The adopter's export (what MCore's pass 2 hands back): the held tensors, new containers."""
-    state_dict = torch.optim.Optimizer.state_dict(optimizer)
-    return dict(state_dict, state={k: dict(e) for k, e in state_dict["state"].items()})
-
-
-def _with_moments_of(state_dict: Dict[str, Any], other: FusedAdamStandIn) -> Dict[str, Any]:
-    """``state_dict`` with ``other``'s FP32 moments (TE's master weights are read in place)."""
-    for entry, theirs in zip(state_dict["state"].values(), other.state_dict()["state"].values()):
-        entry.update(exp_avg=theirs["exp_avg"], exp_avg_sq=theirs["exp_avg_sq"])
-    return state_dict
-
-
 @pytest.mark.parametrize(
     "payload",
     [
