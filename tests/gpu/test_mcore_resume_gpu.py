@@ -42,7 +42,7 @@ def test_resume_adopts_and_is_bitwise_equal_to_control(case_name: str, tmp_path:
         return
     extra_adopters = [a.name for a, _ in default_registry().registrations() if a.name not in DEFAULT_ADOPTERS]
     if case.precision_aware and extra_adopters:
-        pytest.skip(f"adopters {extra_adopters} are installed; test_precision_aware_plugin_gpu covers them")
+        pytest.skip(f"adopters {extra_adopters} are installed; test_te_precision_aware_gpu covers them")
     control = train_save_control(case, tmp_path / "checkpoint")
 
     start = allocated_now()

@@ -57,7 +57,7 @@ def _payload(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
 
 def test_default_adopter_recognises_real_fused_adam() -> None:
     optimizer = _fused_adam()
-    context = make_context(optimizer, _payload(_trained()))
+    context = make_context(optimizer, _payload(_trained()), owns_state_dict=True)  # the main branch's
     assert TEFusedAdamFP32StateAdopter().decline_reason(context) is None
 
 
