@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional
 import pytest
 import torch
 from builders import fresh_standin, make_params, make_standin
-from real_optimizers import cloned, fresh_sgd, params_of, trained_adam, trained_sgd
+from real_optimizers import cloned, fresh_adam, fresh_sgd, params_of, trained_adam, trained_sgd
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron.core.optimizer.state_adoption import AdoptionContext
@@ -45,6 +45,8 @@ def test_extents_find_views_and_aliases_by_the_bytes_they_cover() -> None:
     assert extents.overlap(buffer[:4].view(torch.uint8)[15:]) == "a"  # one byte is enough
     assert extents.overlap(other[:4]) is None  # another storage
     assert extents.overlap(buffer[:0]) is None and extents.add(buffer[2:2], "empty") is None
+    meta = torch.zeros(4, device="meta")  # no memory: meta tensors overlap nothing, not each other
+    assert extents.add(meta, "meta") is None and extents.overlap(torch.zeros(4, device="meta")) is None
 
 
 def test_an_equal_range_is_allowed_only_under_its_own_label() -> None:
@@ -364,6 +366,8 @@ INSTALLS = [
     _C(_then(lambda o, g: o.state[params_of(o)[0]].pop("x")), None, "a None value left out",
        prepare=lambda g: g["state"][0].__setitem__("x", None)),
     _C(_pytorch, None, "a None value kept", prepare=lambda g: g["state"][0].__setitem__("x", None)),
+    _C(_then(lambda o, g: o.state[params_of(o)[1]].clear()), "the state of parameter 1 does not have the state dict's keys",
+       "a key missing after a parameter without state", prepare=lambda g: g["state"].pop(0)),
     _C(_buffer(0, lambda o, g: g["state"][2]["momentum_buffer"]), f"{MB} 0 overlaps an incoming tensor {OTHERS}",
        "another parameter's incoming tensor"),
     _C(_buffer(0, lambda o, g: g["state"][2]["momentum_buffer"].view(2, 3)[1]),
@@ -382,6 +386,19 @@ def test_installed_state_problem_accepts_what_every_loader_gets_right(
     install: Any, reason: Any, options: Dict[str, Any]
 ) -> None:
     assert _install(install, **options) == reason
+
+
+def test_a_tensor_installed_for_a_non_tensor_is_not_compared_with_it() -> None:
+    """Adam's own loader turns an old checkpoint's float ``step`` into a tensor (its
+    ``__setstate__``): no tensor was given to compare it with, and the install is right."""
+    optimizer, given = fresh_adam(), cloned(trained_adam().state_dict())
+    for entry in given["state"].values():
+        entry["step"] = float(entry["step"])
+    params = [list(group["params"]) for group in optimizer.param_groups]
+    snapshot = dict(given, state={k: dict(v) for k, v in given["state"].items()})
+    optimizer.load_state_dict(given)
+    assert isinstance(optimizer.state[params[0][0]]["step"], torch.Tensor)
+    assert installed_state_problem(optimizer, snapshot, params, {}) is None
 
 
 def _exported(change: Callable[[Dict[str, Any], torch.optim.Optimizer], Any]) -> Optional[str]:
@@ -421,6 +438,8 @@ def _held_scale(value: Any) -> Callable[[Dict[str, Any], Any], None]:
         (lambda sd, o: sd["state"].clear(), "the export['state'] is not a dict of 4 items as held"),
         (lambda sd, o: sd["state"].pop(3), "the export['state'] is not a dict of 4 items as held"),
         (_swap, "the export['state'][0]['step'] is not the held tensor"),
+        (lambda sd, o: sd["state"].__setitem__(4, sd["state"].pop(3)),
+         "the export['state'] has the keys ['0', '1', '2', '4'], not the held ones"),
         (lambda sd, o: sd["state"][2].update(copy.deepcopy(sd["state"][2])), "the export['state'][2]['step'] is not the held tensor"),
         (lambda sd, o: sd["state"][1].update(exp_avg=sd["state"][1]["exp_avg"].view(6)),
          "the export['state'][1]['exp_avg'] is not the held tensor"),
@@ -430,7 +449,7 @@ def _held_scale(value: Any) -> Callable[[Dict[str, Any], Any], None]:
     ],
     ids=["its own state_dict", "an alias", "an equal copy of a hyper-parameter", "stale state of no parameter",
          "an equal non-tensor", "an extra key", "group count", "ids", "a hyper-parameter", "a group key",
-         "empty", "partial", "permuted", "copies", "another shape", "a key", "a non-tensor value",
+         "empty", "partial", "permuted", "renumbered", "copies", "another shape", "a key", "a non-tensor value",
          "a tensor for a non-tensor"],
 )  # fmt: skip
 def test_exported_state_problem_accepts_only_the_held_state(change: Any, reason: Any) -> None:
@@ -450,6 +469,8 @@ def test_initialized_state_problem_requires_state_for_every_non_empty_parameter(
     del optimizer.state[params[1]]
     assert initialized_state_problem(optimizer, params) == "parameter 1 has no state"
     optimizer.initialize_state(params[1])
+    one = torch.nn.Parameter(torch.zeros(1))  # a one-element shard needs state too
+    assert initialized_state_problem(optimizer, params + [one]) == "parameter 5 has no state"
     optimizer.state[torch.zeros(1)] = {"exp_avg": torch.zeros(1)}
     assert (
         initialized_state_problem(optimizer, params)
@@ -532,3 +553,16 @@ def test_a_held_state_te_scales_needs_an_fp32_target() -> None:
     assert read_target_problem(
         optimizer, param, "exp_avg", held, extents, "exp_avg of parameter 0"
     ) == ("the held 'exp_avg' is torch.float16, which TE scales: it needs an FP32 target")
+
+
+def test_a_parameter_without_state_has_no_held_ranges_and_no_read_target() -> None:
+    optimizer = _read_owner(False)
+    params = params_of(optimizer)
+    del optimizer.state[params[1]]
+    extents = held_extents(optimizer)
+    assert extents.overlap(params[1].detach()) == "parameter 1"
+    assert extents.overlap(optimizer.state[params[2]]["exp_avg"]) == "held exp_avg of parameter 2"
+    target = torch.zeros(16, 8)
+    assert read_target_problem(
+        optimizer, params[1], "exp_avg", target, extents, "exp_avg of parameter 1"
+    ) == ("the optimizer holds no 'exp_avg' for this parameter")

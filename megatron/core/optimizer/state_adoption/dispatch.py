@@ -57,12 +57,12 @@ def gate_reason(point: HookPoint, owner: Any, registry: StateAdopterRegistry) ->
         return f"OptimizerConfig.optimizer_state_adoption is {enabled!r}"
     optimizer, methods = owner.optimizer, GATES[point][2]
     for method in methods:
-        if method in getattr(optimizer, "__dict__", {}):
+        if method in vars(optimizer):
             return f"the {type(optimizer).__name__} instance has its own {method}, which upstream calls"
     kinds = () if point is HookPoint.READ else ("pre", "post")
     tables = [getattr(optimizer, f"_optimizer_{methods[0]}_{kind}_hooks", None) for kind in kinds]
     if point is HookPoint.INITIALIZE:
-        tables += [getattr(torch_optimizer, f"_global_optimizer_{k}_hooks", None) for k in kinds]
+        tables += [getattr(torch_optimizer, f"_global_optimizer_{k}_hooks") for k in kinds]
         if len(optimizer.state) > 0:
             return "the optimizer holds state already, which the own initialization steps"
         params = params_of(optimizer)
@@ -76,7 +76,7 @@ def gate_reason(point: HookPoint, owner: Any, registry: StateAdopterRegistry) ->
 def own_label(point: HookPoint, optimizer: torch.optim.Optimizer) -> str:
     """What upstream's call resolves to, e.g. ``FusedAdam.load_state_dict``."""
     method = GATES[point][2][0]
-    if method in getattr(optimizer, "__dict__", {}):
+    if method in vars(optimizer):
         return f"{method} set on the {type(optimizer).__name__} instance"
     return f"{type(optimizer).__name__}.{method}"
 
@@ -196,7 +196,7 @@ class Call:
         adopter: Optional[str],
         method: Optional[str],
         reason: Optional[str],
-        result: Any,
+        result: Any = None,
         error: Optional[BaseException] = None,
     ) -> None:
         """Measure ``result`` (a state mapping or tensors), log the outcome and report it, once."""
@@ -280,7 +280,7 @@ def run(
         call.finish(None, method, reason, measured(own_result))
         return own_result
     except BaseException as error:
-        call.finish(None, method, reason, (), error)
+        call.finish(None, method, reason, error=error)
         raise
 
 
