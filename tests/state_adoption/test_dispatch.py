@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
+from torch.optim import optimizer as torch_optimizer
 from adopters_for_tests import (
     DecliningAdopter,
     Exporter,
@@ -204,6 +205,33 @@ def test_registered_or_uninspectable_hooks_run_through_the_own_code(case: Case) 
         assert broken or len(calls) == 1
 
 
+@pytest.mark.parametrize("table", ["registered", "absent"])
+def test_global_step_hooks_send_the_initialization_to_the_own_code(
+    table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyTorch's global step hooks run around every ``step()``, the own dummy step's too: with one
+    registered, or on a torch without the (private) tables, no adopter is asked and the own code
+    runs (which, without the tables, fails as PyTorch's own step does)."""
+    adopter, calls, outcomes = _accepting(), [], []
+    owner, run = _initialize()
+    registry = registry_of(adopter)
+    registry.register_outcome_hook(outcomes.append)
+    if table == "absent":
+        monkeypatch.delattr(torch_optimizer, "_global_optimizer_pre_hooks")
+        with pytest.raises(NameError):
+            run(registry)
+    else:
+        handle = torch_optimizer.register_optimizer_step_pre_hook(lambda *a: calls.append(a))
+        try:
+            run(registry)
+        finally:
+            handle.remove()
+        assert len(calls) == 1 and len(owner.optimizer.state) > 0
+    (outcome,) = outcomes
+    assert adopter.checked == [] and outcome.adopter is None and outcome.method == CASES[2].own
+    assert outcome.fallback_reason == "hooks are registered (or cannot be inspected) that upstream runs"
+
+
 BROKEN_CHECKS = {
     RaisingCheckAdopter: ("its check raised RuntimeError: check exploded",
                           "raised in its check; it counts as a decline (RuntimeError: check exploded)"),
@@ -298,9 +326,8 @@ def test_an_interrupt_while_consulting_propagates_with_one_outcome(case: Case) -
         run(registry)
     (outcome,) = outcomes
     assert outcome.error == "KeyboardInterrupt: " and outcome.adopter is None
-    if case.point != "read":  # the dispatcher's run (a read's outcome is its scope's)
-        assert outcome.method is None
-        assert outcome.fallback_reason == "interrupted while consulting the adopters"
+    assert outcome.method is None  # nothing of upstream's ran
+    assert outcome.fallback_reason == "interrupted while consulting the adopters"
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -88,15 +88,16 @@ class _Read:
     def __init__(self, owner: Any, registry: Optional[StateAdopterRegistry]) -> None:
         self.owner, self.call = owner, Call(HookPoint.READ, owner, registry)
         self.adopter: Optional[StateAdopter] = None
-        self.consulted = self.serving = False
+        self.consulted = self.serving = self.own = False
         self.reason: Optional[str] = None
         self.targets: List[torch.Tensor] = []
 
     def target(self, param: torch.Tensor, name: str) -> torch.Tensor:
         optimizer: Any = self.owner.optimizer
         if not self.consulted:
-            self.consulted = True
+            self.consulted, self.reason = True, "interrupted while consulting the adopters"
             self.adopter, self.reason = self.call.consult()
+            self.own = self.adopter is None
             self.serving, self.extents = self.adopter is not None, checks.held_extents(optimizer)
             self.index = {id(p): index for index, p in enumerate(checks.params_of(optimizer))}
         if self.serving and self.adopter is not None:
@@ -125,7 +126,7 @@ class _Read:
     def finish(self, error: Optional[BaseException]) -> None:
         if self.consulted:
             adopter = self.adopter.name if self.adopter is not None else None
-            method = None if adopter else own_label(HookPoint.READ, self.call.optimizer)
+            method = own_label(HookPoint.READ, self.call.optimizer) if self.own else None
             self.call.finish(adopter, method, self.reason, self.targets, error)
 
 

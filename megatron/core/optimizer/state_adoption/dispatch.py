@@ -62,7 +62,7 @@ def gate_reason(point: HookPoint, owner: Any, registry: StateAdopterRegistry) ->
     kinds = () if point is HookPoint.READ else ("pre", "post")
     tables = [getattr(optimizer, f"_optimizer_{methods[0]}_{kind}_hooks", None) for kind in kinds]
     if point is HookPoint.INITIALIZE:
-        tables += [getattr(torch_optimizer, f"_global_optimizer_{k}_hooks") for k in kinds]
+        tables += [getattr(torch_optimizer, f"_global_optimizer_{k}_hooks", None) for k in kinds]
         if len(optimizer.state) > 0:
             return "the optimizer holds state already, which the own initialization steps"
         params = params_of(optimizer)
