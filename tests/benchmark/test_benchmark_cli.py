@@ -67,7 +67,7 @@ def test_configs_and_own_arguments_exclude_each_other(capsys: pytest.CaptureFixt
     assert runs[0][1][: len(SIZES["tiny"])] == list(SIZES["tiny"])
     default = cli.requested_runs(cli.build_parser().parse_args([]))
     assert [c["name"] for c, _ in default] == list(DEFAULT_CONFIGURATIONS)
-    assert {"moe", "cpu-offload"} == set(CONFIGURATIONS) - set(DEFAULT_CONFIGURATIONS)
+    assert {"cpu-offload"} == set(CONFIGURATIONS) - set(DEFAULT_CONFIGURATIONS)
     every = cli.requested_runs(cli.build_parser().parse_args(["--configs", "all"]))
     assert [c["name"] for c, _ in every] == list(CONFIGURATIONS)
     (own,) = cli.requested_runs(cli.build_parser().parse_args(["--", *USER_ARGS]))
