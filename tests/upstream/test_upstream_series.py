@@ -182,7 +182,9 @@ def test_readme_lists_exactly_the_exported_names() -> None:
 # The generator's rules on synthetic files
 # ---------------------------------------------------------------------------------------------
 
-SYNTHETIC_PLAIN = """\
+# The two variants of DistributedOptimizer.load_state_dict's inner load: before and after the
+# chunked offloader's special case; everything around it is the same.
+_SYNTHETIC_HEAD = """\
 from .param_layout import FullParamLayout
 
 logger = getLogger(__name__)
@@ -199,30 +201,18 @@ class DistributedOptimizer:
         state_dict_state = inner_state_dict["state"]
 
         # Optimizer.
-        self.optimizer.load_state_dict(
-            {"state": state_dict_state, "param_groups": state_dict_param_groups}
-        )
-
+"""
+_SYNTHETIC_TAIL = """
         # Grad scaler.
 """
 
-SYNTHETIC_OFFLOADER = """\
-from .param_layout import FullParamLayout
+SYNTHETIC_PLAIN = _SYNTHETIC_HEAD + """\
+        self.optimizer.load_state_dict(
+            {"state": state_dict_state, "param_groups": state_dict_param_groups}
+        )
+""" + _SYNTHETIC_TAIL
 
-logger = getLogger(__name__)
-
-
-class DistributedOptimizer:
-    def state_dict(self):
-        inner_state_dict = self.optimizer.state_dict()
-        return inner_state_dict
-
-    def load_state_dict(self, state_dict):
-        param_groups_map = {}
-        inner_state_dict = self.optimizer.state_dict()
-        state_dict_state = inner_state_dict["state"]
-
-        # Optimizer.
+SYNTHETIC_OFFLOADER = _SYNTHETIC_HEAD + """\
         optimizer_state_dict = {"state": state_dict_state, "param_groups": state_dict_param_groups}
         if self._optimizer_state_offloader is None:
             self.optimizer.load_state_dict(optimizer_state_dict)
@@ -230,9 +220,7 @@ class DistributedOptimizer:
             self._optimizer_state_offloader.load_state_dict_without_device_cast(
                 optimizer_state_dict
             )
-
-        # Grad scaler.
-"""
+""" + _SYNTHETIC_TAIL
 
 CALL_SITE_HUNKS = [
     Hunk(
