@@ -39,7 +39,8 @@ class ComposedWheel(bdist_wheel):  # type: ignore[misc]
     def run(self) -> None:
         """Compose the wheel from the upstream wheel, the patches and ``megatron/``."""
         upstream = ensure_upstream_wheel(UPSTREAM_CACHE_DIR, UPSTREAM_VERSION)
-        wheel = compose_wheel(upstream, REPO_ROOT, find_patches(PATCHES_DIR), Path(self.dist_dir))
+        patches = find_patches(PATCHES_DIR, UPSTREAM_VERSION)
+        wheel = compose_wheel(upstream, REPO_ROOT, patches, Path(self.dist_dir))
         print(f"composed {wheel}", file=sys.stderr)
 
 

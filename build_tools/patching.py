@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
 from .errors import PatchError, ToolMissingError
 
 PATCH_OPTIONS: Final = (
@@ -20,6 +22,10 @@ PATCH_OPTIONS: Final = (
 _FILE_LINE: Final = re.compile(r"^(?:checking|patching) file (?P<path>.+)$")
 _HUNK_FAILED: Final = re.compile(r"^Hunk #(?P<number>\d+) FAILED at (?P<line>\d+)")
 _NO_FILE: Final = "can't find file to patch"
+#: A patch whose first line is ``Releases: <PEP 440 specifier>`` applies only to the upstream
+#: releases the specifier contains (GNU patch skips the line as leading text); a patch without
+#: it applies to every release.
+RELEASES_HEADER: Final = "Releases: "
 _REVERSED: Final = "Reversed (or previously applied) patch detected"
 
 
@@ -96,6 +102,20 @@ def apply_patches(tree: Path, patch_files: Sequence[Path]) -> None:
         _run_patch(executable, tree, patch_file, dry_run=False)
 
 
-def find_patches(patches_dir: Path) -> list[Path]:
-    """Return the ``*.patch`` files of ``patches_dir`` in sorted order (empty if none)."""
-    return sorted(patches_dir.glob("*.patch")) if patches_dir.is_dir() else []
+def patch_releases(patch_file: Path) -> SpecifierSet:
+    """Return the upstream releases ``patch_file`` applies to (its ``Releases:`` line; all if
+    it has none). Raise PatchError for a line that is not a PEP 440 specifier."""
+    first_line = patch_file.read_text(encoding="utf-8").split("\n", 1)[0]
+    if not first_line.startswith(RELEASES_HEADER):
+        return SpecifierSet()
+    try:
+        return SpecifierSet(first_line.removeprefix(RELEASES_HEADER))
+    except InvalidSpecifier as error:
+        raise PatchError(f"{patch_file.name}: {first_line!r} is not a release specifier") from error
+
+
+def find_patches(patches_dir: Path, release: str) -> list[Path]:
+    """Return the ``*.patch`` files of ``patches_dir`` that apply to upstream ``release``, in
+    sorted order (empty if none)."""
+    found = sorted(patches_dir.glob("*.patch")) if patches_dir.is_dir() else []
+    return [patch for patch in found if patch_releases(patch).contains(release, prereleases=True)]

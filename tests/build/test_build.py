@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PATCH_FILE = (
@@ -34,6 +35,8 @@ PATCH_FILE = (
 DISTRIB_OPTIMIZER = "megatron/core/optimizer/distrib_optimizer.py"
 OPTIMIZER_CONFIG = "megatron/core/optimizer/optimizer_config.py"
 OPTIMIZER = "megatron/core/optimizer/optimizer.py"
+MLP = "megatron/core/transformer/mlp.py"
+TRANSFORMER_UTILS = "megatron/core/transformer/utils.py"
 UPSTREAM_CACHE_DIR = REPO_ROOT / "build" / "upstream"
 SUPPORTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.0", "0.19.2")
 
@@ -188,6 +191,27 @@ def test_corrupted_upstream_wheel_is_rejected(upstream_copy: Path, tmp_path: Pat
     message = str(caught.value)
     assert expected in message and actual in message and upstream_copy.name in message
     assert not (tmp_path / "out").exists()
+
+
+def test_patches_apply_to_the_releases_their_first_line_names(tmp_path: Path) -> None:
+    patching = _load_build_module("patching")
+    errors = _load_build_module("errors")
+    body = PATCH_FILE.read_text(encoding="utf-8")
+    (tmp_path / "0001-all.patch").write_text(body, encoding="utf-8")
+    (tmp_path / "0002-new.patch").write_text("Releases: >=0.18\n" + body, encoding="utf-8")
+    (tmp_path / "0003-old.patch").write_text("Releases: <0.18\n" + body, encoding="utf-8")
+    names = lambda release: [p.name for p in patching.find_patches(tmp_path, release)]  # noqa: E731
+    assert names("0.17.1") == ["0001-all.patch", "0003-old.patch"]
+    assert names("0.18.2") == names("0.19.2") == ["0001-all.patch", "0002-new.patch"]
+    # every supported release gets the shared merge's patch or the nested one, never both
+    real = REPO_ROOT / "patches"
+    for version in SUPPORTED:
+        chosen = {p.name for p in patching.find_patches(real, version)}
+        merges = {name for name in chosen if "merge" in name}
+        assert len(merges) == 1, (version, chosen)
+    (tmp_path / "0004-bad.patch").write_text("Releases: newest\n" + body, encoding="utf-8")
+    with pytest.raises(errors.PatchError, match="0004-bad.patch: 'Releases: newest'"):
+        patching.find_patches(tmp_path, "0.19.2")
 
 
 def test_patch_with_failing_hunk_names_file_and_hunk(upstream_copy: Path, tmp_path: Path) -> None:
@@ -357,13 +381,12 @@ def test_patches_apply_with_fuzz_0_and_compose_each_release(version: str, tmp_pa
     compose = _load_build_module("compose_wheel")
     assert "--fuzz=0" in patching.PATCH_OPTIONS
     upstream_wheel = _release_wheel(version)
-    patches = patching.find_patches(REPO_ROOT / "patches")
+    patches = patching.find_patches(REPO_ROOT / "patches", version)
     assert patches
     tree = tmp_path / "tree"
     with zipfile.ZipFile(upstream_wheel) as archive:
-        archive.extract(DISTRIB_OPTIMIZER, tree)
-        archive.extract(OPTIMIZER_CONFIG, tree)
-        archive.extract(OPTIMIZER, tree)
+        for path in (DISTRIB_OPTIMIZER, OPTIMIZER_CONFIG, OPTIMIZER, MLP, TRANSFORMER_UTILS):
+            archive.extract(path, tree)
     original = (tree / DISTRIB_OPTIMIZER).read_text(encoding="utf-8")
     patching.apply_patches(tree, patches)  # dry run, then apply; raises PatchError naming hunks
     patched = (tree / DISTRIB_OPTIMIZER).read_text(encoding="utf-8")
@@ -373,16 +396,23 @@ def test_patches_apply_with_fuzz_0_and_compose_each_release(version: str, tmp_pa
     assert "        self.optimizer.load_state_dict(\n            {\"state\"" not in patched
     assert "\n    optimizer_state_adoption: bool = True\n" in config
     non_distributed = (tree / OPTIMIZER).read_text(encoding="utf-8")
-    assert "from .state_adoption import load_inner_optimizer_state_dict\n" in non_distributed
+    assert "load_inner_optimizer_state_dict" in _state_adoption_imports(non_distributed)
     assert non_distributed.count("load_inner_optimizer_state_dict(self, state_dict") == 2
     assert "self.optimizer.load_state_dict(state_dict" not in non_distributed
     assert patched.count("load_inner_optimizer_state_dict(self, state_dict)") == 1  # Megatron-FSDP
+    # the factory merge (SwiGLU's linear_fc1) returns a view of pieces read in place: nested in
+    # apply_swiglu_sharded_factory up to 0.17, transformer/utils.py's shared merge since 0.18
+    merge_file = MLP if Version(version) < Version("0.18") else TRANSFORMER_UTILS
+    merge = (tree / merge_file).read_text(encoding="utf-8")
+    assert merge.count("merged = concatenated_view(sub_state_dict)") == 1
+    assert "from megatron.core.dist_checkpointing.in_place_merge import concatenated_view\n" in merge
     wheel = compose.compose_wheel(upstream_wheel, REPO_ROOT, patches, tmp_path / "out")
     assert wheel.name == upstream_wheel.name.replace(f"-{version}-", f"-{version}+stateadoption-")
     with zipfile.ZipFile(wheel) as composed:
         assert composed.read(DISTRIB_OPTIMIZER).decode("utf-8") == patched
         assert composed.read(OPTIMIZER_CONFIG).decode("utf-8") == config
         assert composed.read(OPTIMIZER).decode("utf-8") == non_distributed
+        assert composed.read(merge_file).decode("utf-8") == merge
 
 
 # metadata conversion used by setup.py (no upstream wheel needed)
