@@ -71,7 +71,7 @@ mkdir -p build/upstream
 # builds it (this tree, the environment's MCORE_UPSTREAM_*), the others each from a copy of the
 # build inputs (setuptools writes its egg-info into the tree it builds; build/upstream shared).
 # Then the release's build and its unpatched upstream (with this subsystem copied in) are
-# installed into sites of their own, and the patches are dry-run against upstream.
+# installed into sites of their own, and the release's patches are dry-run against upstream.
 compose() {
   local release=$1 source=. start=$SECONDS
   local build="$work/build-$release" unpatched="$work/upstream-$release" unset=()
@@ -91,7 +91,9 @@ compose() {
 from build_tools.upstream import ensure_upstream_wheel as e
 print(e(Path("build/upstream"), sys.argv[1], environ={}))' "$release")
   python -m pip install -q --no-deps --target "$unpatched" "$upstream_wheel"
-  for patch_file in patches/*.patch; do
+  for patch_file in $(python -c 'import sys; from pathlib import Path
+from build_tools.patching import find_patches as f
+print(*f(Path("patches"), sys.argv[1]))' "$release"); do  # the patches for this release
     applied=$(LC_ALL=C patch -p1 --fuzz=0 --dry-run --batch --forward -d "$unpatched" \
       -i "$PWD/$patch_file")
     echo "$release: $(basename "$patch_file") applies with --fuzz=0: $(echo "$applied" | tr '\n' ' ')"

@@ -343,6 +343,7 @@ def requested_runs(args: argparse.Namespace) -> list[tuple[dict[str, str | None]
                 "name": name,
                 "description": CONFIGURATIONS[name].description,
                 "expectation": CONFIGURATIONS[name].expectation.name,
+                "upstream_divergence": CONFIGURATIONS[name].upstream_divergence,
             },
             CONFIGURATIONS[name].script_arguments(args.size or DEFAULT_SIZE),
         )

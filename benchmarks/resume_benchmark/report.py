@@ -104,10 +104,11 @@ def expectation_problems(run: Mapping[str, Any]) -> list[str]:
     build side and its first report within the uninterrupted run's training peak."""
     numbers = run_numbers(run)
     problems = [f"{phase} failed or did not run" for phase in failed_phases(run)]
+    upstream_diverges = bool((run.get("configuration") or {}).get("upstream_divergence"))
     for side, differences in (run.get("loss_differences") or {}).items():
-        if differences:
+        if differences and not (side == "upstream" and upstream_diverges):
             problems.append(f"{side}: losses differ from the uninterrupted run: {differences[:3]}")
-    if run.get("checkpoint_differences"):
+    if run.get("checkpoint_differences") and not upstream_diverges:
         problems.append(f"saved checkpoints differ: {run['checkpoint_differences'][:3]}")
     if numbers.expected is not None:
         tolerance = max(AVOIDED_RELATIVE_TOLERANCE * numbers.expected, ABSOLUTE_TOLERANCE)
@@ -282,7 +283,13 @@ def markdown_report(document: Mapping[str, Any]) -> str:
         if configuration.get("description"):
             heading += f": {configuration['description']}"
         arguments = " ".join(run.get("script_args") or [])
-        lines += ["", f"## {heading}", "", f"`{SCRIPT} {arguments}`", "", run_markdown(run)]
+        lines += ["", f"## {heading}", "", f"`{SCRIPT} {arguments}`", ""]
+        if configuration.get("upstream_divergence"):
+            lines += [
+                f"Upstream's resume is known to diverge: {configuration['upstream_divergence']}.",
+                "",
+            ]
+        lines.append(run_markdown(run))
     return "\n".join(lines).rstrip() + "\n"
 
 

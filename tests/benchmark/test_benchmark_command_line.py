@@ -151,7 +151,7 @@ def test_a_good_command_line_has_no_problem(tmp_path: Path) -> None:
         assert cli.command_line_problem(args) is None, argv
         cli.requested_runs(args)
     every = cli.build_parser().parse_args(["--configs", "all"])
-    assert len(cli.requested_runs(every)) == 8 and every.size is None  # 1b unless --size
+    assert len(cli.requested_runs(every)) == 9 and every.size is None  # 1b unless --size
 
 
 def test_the_entry_point_exits_2_for_a_missing_upstream(tmp_path: Path) -> None:

@@ -124,11 +124,13 @@ def test_offline_with_the_build_as_a_wheel_uses_only_the_wheelhouse(tmp_path: Pa
     """The README's offline command, run from a user's venv that has torch (issue #29: the
     benchmark's venv saw the base interpreter's packages, and pip found no torch>=2.6)."""
     from build_tools.compose_wheel import compose_wheel
+    from build_tools.patching import find_patches
+    from build_tools.releases import select_upstream_version
     from build_tools.upstream import ensure_upstream_wheel
 
     upstream = ensure_upstream_wheel(REPO_ROOT / "build" / "upstream", None, environ={})
     wheelhouse = tmp_path / "wheelhouse"
-    patches = sorted((REPO_ROOT / "patches").glob("*.patch"))
+    patches = find_patches(REPO_ROOT / "patches", select_upstream_version({}))
     wheel = compose_wheel(Path(upstream), REPO_ROOT, patches, wheelhouse)
     outer = _outer_venv_seeing_this_environment_but_megatron(tmp_path / "user-venv")
     inner = tmp_path / "benchmark-venv"

@@ -25,8 +25,9 @@ _STATE_METHODS = tuple(
     "get_unscaled_state _apply_scale".split()
 )
 _FIRST_KNOWN, _FIRST_WITH_REMAINDERS = Version("1.13.0.dev0"), Version("2.1.0.dev0")
-#: Elements converted at a time: bounds the transient of a BF16 store to 8 MiB.
-STORE_CHUNK_ELEMENTS = 1 << 22
+#: Elements converted at a time: bounds the transient of a BF16 store (an FP32 and a BF16 copy
+#: of one chunk) to 6 MiB.
+STORE_CHUNK_ELEMENTS = 1 << 20
 
 
 def fused_adam_problem(
