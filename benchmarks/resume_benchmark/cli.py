@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"of the built-in configurations (default: {DEFAULT_SIZE})",
     )
     parser.add_argument(
+        "--name",
+        help="with arguments after --: the run's name in the report (default: 'your arguments')",
+    )
+    parser.add_argument(
         "--upstream", type=Path, help="upstream megatron-core V: DIR or WHEEL (default: pip)"
     )
     parser.add_argument(
@@ -248,6 +252,11 @@ def command_line_problem(args: argparse.Namespace) -> str | None:
             f"--size {args.size}: sizes the built-in configurations; the pretrain_gpt.py "
             "arguments after -- set the model themselves"
         )
+    if args.name is not None and not script_args:
+        checks.append(
+            f"--name {args.name}: names the run of your pretrain_gpt.py arguments after --; the "
+            "built-in configurations have their own names"
+        )
     if args.nproc_per_node < 1:
         checks.append(f"--nproc-per-node {args.nproc_per_node}: must be at least 1")
     timeout = args.worker_timeout
@@ -336,7 +345,8 @@ def requested_runs(args: argparse.Namespace) -> list[tuple[dict[str, str | None]
         if args.configs:
             raise ClientUsageError("give --configs or pretrain_gpt.py arguments after --, not both")
         base_arguments(script_args, apex_fusion=True)  # refuses what the client cannot run
-        return [({"name": "your arguments", "description": None, "expectation": None}, script_args)]
+        record = {"name": args.name or "your arguments", "description": None, "expectation": None}
+        return [(record, script_args)]
     return [
         (
             {

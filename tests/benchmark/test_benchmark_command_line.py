@@ -71,6 +71,9 @@ REFUSALS: list[Case] = [
     ("size with own arguments", lambda t: ["--size", "small", "--", *USER_ARGS],
      "--size small: sizes the built-in configurations; the pretrain_gpt.py arguments after -- "
      "set the model themselves"),
+    ("name without own arguments", lambda t: ["--name", "llama", "--configs", "moe"],
+     "--name llama: names the run of your pretrain_gpt.py arguments after --; the built-in "
+     "configurations have their own names"),
     ("configs with own arguments", lambda t: ["--configs", "moe", "--", *USER_ARGS],
      "give --configs or pretrain_gpt.py arguments after --, not both"),
     ("nproc 0", lambda t: ["--nproc-per-node", "0"], "--nproc-per-node 0: must be at least 1"),
@@ -150,6 +153,8 @@ def test_a_good_command_line_has_no_problem(tmp_path: Path) -> None:
         args = cli.build_parser().parse_args(argv)
         assert cli.command_line_problem(args) is None, argv
         cli.requested_runs(args)
+    named = cli.build_parser().parse_args(["--name", "llama-fp32", "--", *USER_ARGS])
+    assert [record["name"] for record, _ in cli.requested_runs(named)] == ["llama-fp32"]
     every = cli.build_parser().parse_args(["--configs", "all"])
     assert len(cli.requested_runs(every)) == 9 and every.size is None  # 1b unless --size
 
