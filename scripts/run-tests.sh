@@ -126,6 +126,7 @@ python -m pip show megatron-core | grep -E '^(Name|Version):'
 static_checks() {
   echo "== mypy --strict"
   python -m mypy --cache-dir "$work/mypy-cache" megatron/core/optimizer/state_adoption \
+    megatron/core/dist_checkpointing/in_place_merge.py \
     build_tools setup.py upstream/build_series.py upstream/make_gpu_bundle.py upstream/pytest_outcomes.py
   echo "== mypy --strict: the resume benchmark (Megatron-Core, TE and TensorBoard as Any)"
   python -m mypy --cache-dir "$work/mypy-cache" --config-file benchmarks/mypy.ini \

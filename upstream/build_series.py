@@ -9,7 +9,14 @@ Megatron-LM snapshot into an ignored folder, byte for byte the same every time, 
   modules that exist here;
 * ``patches/*.patch``                              -> the hunks in ``distrib_optimizer.py`` and
   ``optimizer.py`` (the call sites and the plugin loading) and the
-  ``OptimizerConfig.optimizer_state_adoption`` field in ``optimizer_config.py``;
+  ``OptimizerConfig.optimizer_state_adoption`` field in ``optimizer_config.py``; only the patches
+  for the newest release (``find_patches``), which ``main`` and ``dev`` follow;
+* ``BUG_FIX_PATCH``                                -> the first commit, alone: our fix of an
+  upstream bug in ``distrib_optimizer.py`` (the call sites' hunks apply to the fixed file);
+* ``megatron/core/dist_checkpointing/in_place_merge.py`` and the hunks in
+  ``megatron/core/transformer/utils.py`` -> the last commit, independent of state adoption (the
+  loaded pieces of a ShardedTensorFactory merge into a view), with its unit test from
+  ``upstream/tests/unit_tests/dist_checkpointing/``;
 * the config field                                 -> its Megatron-LM argument
   (``--no-optimizer-state-adoption`` in ``megatron/training/arguments.py``), generated from the
   field our patch adds; ``training.py``'s ``get_megatron_optimizer_config`` is checked to copy
@@ -62,6 +69,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # build_tools, next to upstream/
+
+from build_tools.patching import find_patches  # noqa: E402
+from build_tools.releases import DEFAULT_UPSTREAM_VERSION  # noqa: E402
+
 UPSTREAM_DIR = REPO_ROOT / "upstream"
 MANIFEST = UPSTREAM_DIR / "series.json"
 DEFAULT_OUT = REPO_ROOT / "build" / "upstream-series"
@@ -78,13 +91,28 @@ ARGUMENTS_FUNCTION = "_add_training_args"
 ARGUMENT_ANCHOR = "--optimizer"
 TRAINING_FILE = "megatron/training/training.py"
 CONFIG_FROM_ARGS = "get_megatron_optimizer_config"
+UTILS_FILE = "megatron/core/transformer/utils.py"
+"""``cat_with_oom_fallback``: the merge of a ShardedTensorFactory's loaded pieces."""
+IN_PLACE_MERGE = "megatron/core/dist_checkpointing/in_place_merge.py"
+IN_PLACE_MERGE_TEST = "tests/unit_tests/dist_checkpointing/test_in_place_merge.py"
 DOCS_INDEX = "docs/api-guide/core/index.md"
 DOCS_PAGE = "docs/api-guide/core/optimizer_state_adoption.md"
 TESTS_ROOT = "tests/unit_tests"
 BRANCHES = ("main", "dev")
-PATCHED_FILES = (CALL_SITE, NON_DISTRIBUTED_FILE, CONFIG_FILE)
-"""The files ``patches/*.patch`` may change; a patch changing any other is refused."""
-TOUCHED_UPSTREAM_FILES = (CALL_SITE, NON_DISTRIBUTED_FILE, CONFIG_FILE, ARGUMENTS_FILE, DOCS_INDEX)
+PATCHED_FILES = (CALL_SITE, NON_DISTRIBUTED_FILE, CONFIG_FILE, UTILS_FILE)
+"""The files the newest release's ``patches/*.patch`` may change; a patch changing any other is
+refused."""
+BUG_FIX_PATCH = "0006-distrib-optimizer-keep-the-loaded-adam-step-with-cpu-offload.patch"
+"""Our fix of an upstream bug (NVIDIA/Megatron-LM#1842): the first commit of the series, alone;
+every other patch's hunks go to the commits that carry their files."""
+TOUCHED_UPSTREAM_FILES = (
+    CALL_SITE,
+    NON_DISTRIBUTED_FILE,
+    CONFIG_FILE,
+    UTILS_FILE,
+    ARGUMENTS_FILE,
+    DOCS_INDEX,
+)
 """The snapshot files the series changes (the base commit of the series holds exactly these)."""
 CHECKED_UPSTREAM_FILES = (TRAINING_FILE,)
 """Snapshot files the generator reads to check an assumption, but does not change."""
@@ -178,14 +206,25 @@ def parse_hunks(patch_text: str, path: str, split_blocks: bool = False) -> List[
     return hunks
 
 
-def our_hunks(path: str) -> List[Hunk]:
-    """The hunks of ``patches/*.patch`` for ``path``, in patch order.
+def series_patches() -> List[Path]:
+    """Our patches for the newest upstream release (``DEFAULT_UPSTREAM_VERSION``), which
+    Megatron-LM ``main`` and ``dev`` follow; a patch only for older releases (its ``Releases:``
+    line) never enters the series."""
+    return find_patches(REPO_ROOT / "patches", DEFAULT_UPSTREAM_VERSION)
+
+
+def our_hunks(path: str, bug_fix: bool = False) -> List[Hunk]:
+    """The hunks for ``path`` of our patches for the newest release, in patch order: of every
+    patch but ``BUG_FIX_PATCH`` (its own commit), or with ``bug_fix`` of that patch only.
 
     Refuses a patch that changes a file the series does not know how to carry, so that a new
     hunk cannot be dropped silently.
     """
+    patches = series_patches()
+    if BUG_FIX_PATCH not in [patch.name for patch in patches]:
+        raise SeriesError(f"patches/{BUG_FIX_PATCH} is gone; update BUG_FIX_PATCH")
     hunks: List[Hunk] = []
-    for patch in sorted((REPO_ROOT / "patches").glob("*.patch")):
+    for patch in patches:
         text = patch.read_text()
         for line in text.splitlines():
             changed = line[4:].strip().removeprefix("b/")
@@ -194,9 +233,11 @@ def our_hunks(path: str) -> List[Hunk]:
                     f"patches/{patch.name} changes {changed}, which the series does not carry; "
                     "teach upstream/build_series.py where it goes"
                 )
-        hunks.extend(parse_hunks(text, path, split_blocks=True))
+        if (patch.name == BUG_FIX_PATCH) is bug_fix:
+            hunks.extend(parse_hunks(text, path, split_blocks=True))
     if not hunks:
-        raise SeriesError(f"patches/*.patch has no hunk for {path}")
+        which = BUG_FIX_PATCH if bug_fix else "*.patch"
+        raise SeriesError(f"patches/{which} has no hunk for {path}")
     return hunks
 
 
@@ -714,22 +755,40 @@ def add_docs_toctree_entry(text: str, entry: str) -> str:
     return text[: match.end()] + entry + "\n" + text[match.end() :]
 
 
+def with_header(source: str) -> str:
+    """``source`` after Megatron-LM's copyright line (once: a file of ours may have it already)."""
+    return source if source.startswith(PYTHON_HEADER) else PYTHON_HEADER + source
+
+
 def subsystem_files() -> Dict[str, str]:
     """Upstream path -> content of every subsystem module (our file, with the copyright line)."""
     files = {}
     for source in sorted((REPO_ROOT / SUBSYSTEM).glob("*.py")):
-        files[f"{SUBSYSTEM}/{source.name}"] = PYTHON_HEADER + source.read_text()
+        files[f"{SUBSYSTEM}/{source.name}"] = with_header(source.read_text())
     return files
 
 
+def in_place_merge_files() -> Dict[str, str]:
+    """Upstream path -> content of the in-place merge module (our file, with the copyright line)
+    and of its unit test."""
+    return {
+        IN_PLACE_MERGE: with_header((REPO_ROOT / IN_PLACE_MERGE).read_text()),
+        IN_PLACE_MERGE_TEST: (UPSTREAM_DIR / IN_PLACE_MERGE_TEST).read_text(),
+    }
+
+
 def test_files(with_offloader: bool) -> Dict[str, str]:
-    """Upstream path -> content of our unit tests (the offloader ones only where it exists)."""
+    """Upstream path -> content of our unit tests of state adoption (the offloader ones only where
+    it exists); the in-place merge's test goes with its module (``in_place_merge_files``)."""
     files = {}
     root = UPSTREAM_DIR / "tests" / "unit_tests"
     for source in sorted(root.rglob("*.py")):
+        path = f"{TESTS_ROOT}/{source.relative_to(root).as_posix()}"
+        if path == IN_PLACE_MERGE_TEST:
+            continue
         if source.name.endswith(OFFLOADER_TEST_SUFFIX) and not with_offloader:
             continue
-        files[f"{TESTS_ROOT}/{source.relative_to(root).as_posix()}"] = source.read_text()
+        files[path] = source.read_text()
     return files
 
 
@@ -786,6 +845,29 @@ def read_series_patch(text: str) -> List[FileDiff]:
 # ---------------------------------------------------------------------------------------------
 # Commits, cover letter and format-patch
 # ---------------------------------------------------------------------------------------------
+
+BUG_FIX_MESSAGE = """\
+Keep the checkpoint's Adam step in CPU-offloaded dp_reshardable loads
+
+With the CPU-offloaded optimizer (HybridDeviceOptimizer), resuming
+from a dp_reshardable checkpoint sets every parameter's Adam step back
+to 1, so the resumed Adam restarts its bias correction.
+
+DistributedOptimizer.sharded_state_dict(is_loading=True) first runs
+load_state_dict(state_dict()), which creates the state with
+HybridDeviceOptimizer.dummy_step: its step is 1. The dp_reshardable
+template wraps that step in a LocalNonpersistentObject, so it is not
+read from the checkpoint. load_state_dict then sets the checkpoint's
+step from its param_groups, but load_parameter_state_from_dp_reshardable
+goes on to call _set_main_param_and_optimizer_states with the template's
+entries, whose HybridDeviceOptimizer branch writes each of them into the
+optimizer's state, the template's step included, for every parameter.
+
+Skip 'step' there, as load_parameter_state_from_fully_reshardable and
+load_parameter_state_from_fs_model_space already do.
+
+Fixes #1842
+"""
 
 SUBSYSTEM_MESSAGE = """\
 Add optimizer-state adoption to Megatron Core
@@ -942,6 +1024,35 @@ adoption off, and why this lives in Megatron Core rather than in
 Transformer Engine.
 """
 
+IN_PLACE_MERGE_MESSAGE = """\
+Merge ShardedTensorFactory pieces read in place without a copy
+
+SwiGLU's linear_fc1 (dense MLPs and MoE experts) and Mamba's in_proj
+are saved through a ShardedTensorFactory as several pieces, which
+cat_with_oom_fallback merges on load. torch_dist reads the pieces in
+place into views of the tensor being loaded (the parameter, or an
+optimizer state), so their concatenation is already in memory; the
+merge allocated a second, full copy of it, held until load_checkpoint
+returns. Measured on an H200 for a 1.02 B-parameter Llama-style model,
+that copy added 0.82 bytes per parameter to the peak memory of a load
+with the distributed optimizer, and 4.9 bytes per parameter with FP32
+parameters without it.
+
+Add megatron.core.dist_checkpointing.in_place_merge.concatenated_view:
+when the pieces are plain, contiguous tensors of one dtype, device and
+trailing shape that lie back to back in one storage, it returns their
+concatenation as a view of that storage, else None.
+cat_with_oom_fallback returns that view when there is one and
+concatenates as before otherwise. The values are identical; the merged
+tensor aliases the one the checkpoint was read into, as documented.
+
+Unit tests (tests/unit_tests/dist_checkpointing/test_in_place_merge.py,
+on CPU): back-to-back pieces merge into a view equal to torch.cat;
+reversed, gapped, overlapping, separately stored, non-contiguous and
+mixed-dtype pieces are concatenated as before; the SwiGLU factory's
+merge of halves read in place is the tensor itself.
+"""
+
 COVER_SUBJECT = "Optimizer-state adoption for Megatron Core checkpoint loading"
 
 COVER_INTRO = """\
@@ -959,18 +1070,25 @@ OptimizerConfig.optimizer_state_adoption = False
 (--no-optimizer-state-adoption), or for a whole process with
 MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1.
 
-1. the subsystem (megatron/core/optimizer/state_adoption/): the
+1. a bug fix, independent of the rest: with the CPU-offloaded
+   optimizer, a dp_reshardable load keeps the checkpoint's Adam step
+   instead of the load template's (#1842);
+2. the subsystem (megatron/core/optimizer/state_adoption/): the
    StateAdopter interface, the dispatcher, the registry with its
    plugins, the built-in adopters;
-2. the switch: OptimizerConfig.optimizer_state_adoption and
+3. the switch: OptimizerConfig.optimizer_state_adoption and
    --no-optimizer-state-adoption;
-3. the call sites: one import and one small hunk per call in
+4. the call sites: one import and one small hunk per call in
    DistributedOptimizer (its load, export, Megatron-FSDP and
    precision-aware paths) and in the load_state_dict of
    Float16OptimizerWithFloat16Params and FP32Optimizer, and the plugin
    loading in MegatronOptimizer.__init__;
-4. unit tests (tests/unit_tests/optimizer/test_state_adoption.py);
-5. the API guide page (docs/api-guide/core/optimizer_state_adoption.md).
+5. unit tests (tests/unit_tests/optimizer/test_state_adoption.py);
+6. the API guide page (docs/api-guide/core/optimizer_state_adoption.md);
+7. independent of state adoption: the pieces of a ShardedTensorFactory
+   read in place (SwiGLU's linear_fc1, Mamba's in_proj) merge into a
+   view of the loaded tensor instead of a second copy
+   (megatron/core/dist_checkpointing/in_place_merge.py), with its tests.
 """
 
 COVER_OFFLOADER = """\
@@ -1099,14 +1217,22 @@ class Snapshot:
 def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
     """The series for ``snapshot``: (commit message, files written) per commit, in order.
 
-    The switch comes before the call sites: ``MegatronOptimizer.__init__`` reads it.
+    The bug fix comes first, on its own, and the call sites' hunks apply to the fixed file. The
+    switch comes before the call sites: ``MegatronOptimizer.__init__`` reads it. The in-place
+    merge, independent of state adoption, comes last, with its test.
     """
     config_hunks = our_hunks(CONFIG_FILE)
     switch = adoption_switch(config_hunks)
     check_config_copied_from_args(snapshot.checked[TRAINING_FILE], switch)
     offloader = snapshot.offloader
     page = Path(DOCS_PAGE).stem
+    # The fix is an insertion, not an export or load that the offloader's special case routes.
+    fixed = change_file(
+        snapshot.files[CALL_SITE], our_hunks(CALL_SITE, bug_fix=True), CALL_SITE, False
+    )
+    after_fix = {**snapshot.files, CALL_SITE: fixed}
     return [
+        (BUG_FIX_MESSAGE, {CALL_SITE: fixed}),
         (SUBSYSTEM_MESSAGE, subsystem_files()),
         (
             CONFIG_MESSAGE,
@@ -1118,7 +1244,7 @@ def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
         (
             CALL_SITE_MESSAGE + (CALL_SITE_MESSAGE_OFFLOADER if offloader else ""),
             {
-                path: change_file(snapshot.files[path], our_hunks(path), path, offloader)
+                path: change_file(after_fix[path], our_hunks(path), path, offloader)
                 for path in (CALL_SITE, NON_DISTRIBUTED_FILE)
             },
         ),
@@ -1127,12 +1253,23 @@ def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
             DOCS_MESSAGE,
             {**docs_files(), DOCS_INDEX: add_docs_toctree_entry(snapshot.files[DOCS_INDEX], page)},
         ),
+        (
+            IN_PLACE_MERGE_MESSAGE,
+            {
+                **in_place_merge_files(),
+                UTILS_FILE: change_file(
+                    snapshot.files[UTILS_FILE], our_hunks(UTILS_FILE), UTILS_FILE, offloader
+                ),
+            },
+        ),
     ]
 
 
 def added_files(offloader: bool) -> List[str]:
     """The paths of the files the series adds (recorded in series.json)."""
-    return sorted({**subsystem_files(), **test_files(offloader), **docs_files()})
+    return sorted(
+        {**subsystem_files(), **test_files(offloader), **docs_files(), **in_place_merge_files()}
+    )
 
 
 SERIES_BRANCH = "optimizer-state-adoption"

@@ -6,18 +6,21 @@ there):
 
 * always, in seconds: series.json agrees with the current sources where that needs no snapshot
   (its patch names are the generator's commit subjects, the files it lists as added are exactly
-  the subsystem modules, unit tests and docs page here, its blob ids are of the files the
-  generator changes and reads), every Python file the series adds passes black 26 with
-  Megatron-LM's settings, the cover letter has its required content, README's table of exported
+  the subsystem modules, the in-place merge module, unit tests and docs page here, its blob ids
+  are of the files the generator changes and reads), only the newest release's patches enter the
+  series, the bug fix's hunk only its own commit, every Python file the series adds passes black
+  26 with Megatron-LM's settings, the cover letter has its required content, README's table of exported
   names lists exactly the package's ``__all__``, and the generator's rules are exercised on
   small synthetic files of every shape, refusing what they must refuse;
 * with ``MEGATRON_LM_GIT_DIR`` (a Megatron-LM git directory, e.g. the fetched mirror
   /work/.mirror/NVIDIA+Megatron-LM/repo): the series is built at the recorded snapshots into a
   temporary folder and checked: the snapshot's blob ids and the patch names are those recorded,
   ``git apply --check`` passes on a full work tree, on main the call-site diffs make exactly the
-  changes of patches/*.patch and on dev they keep the offloader's path, the config field and
-  argument are the generated ones, every added file equals its source, and the changed Python
-  files pass black where the snapshot's did. Skipped, with the reason, without it.
+  changes of patches/*.patch and on dev they keep the offloader's path, the bug fix is the first
+  commit alone and the call sites apply to the fixed file, the in-place merge commit adds our
+  module and changes ``cat_with_oom_fallback``, the config field and argument are the generated
+  ones, every added file equals its source, and the changed Python files pass black where the
+  snapshot's did. Skipped, with the reason, without it.
 """
 
 import argparse
@@ -41,11 +44,16 @@ from build_series import (  # noqa: E402
     CALL_SITE,
     CONFIG_FILE,
     COVER_LETTER,
+    IN_PLACE_MERGE,
+    IN_PLACE_MERGE_TEST,
     NON_DISTRIBUTED_FILE,
+    UTILS_FILE,
     FileDiff,
     Hunk,
     SeriesError,
 )
+from build_tools.patching import patch_releases  # noqa: E402  (build_series puts it on the path)
+from build_tools.releases import DEFAULT_UPSTREAM_VERSION  # noqa: E402
 
 MANIFEST = build_series.manifest()
 BRANCHES = sorted(MANIFEST)
@@ -106,11 +114,13 @@ def test_manifest_lists_the_files_the_series_adds_from_these_sources(branch: str
 
 
 COMMIT_MESSAGES = [
+    build_series.BUG_FIX_MESSAGE,
     build_series.SUBSYSTEM_MESSAGE,
     build_series.CONFIG_MESSAGE,
     build_series.CALL_SITE_MESSAGE,
     build_series.TESTS_MESSAGE,
     build_series.DOCS_MESSAGE,
+    build_series.IN_PLACE_MERGE_MESSAGE,
 ]
 
 
@@ -128,11 +138,15 @@ def test_manifest_patch_names_are_the_commit_subjects(branch: str) -> None:
 def test_commit_messages_fit_e_mail() -> None:
     for message in [*COMMIT_MESSAGES, build_series.CALL_SITE_MESSAGE_OFFLOADER]:
         assert max(len(line) for line in message.splitlines()) <= 72
-    assert [m.split("\n")[1] for m in COMMIT_MESSAGES] == [""] * 5
+    assert [m.split("\n")[1] for m in COMMIT_MESSAGES] == [""] * len(COMMIT_MESSAGES)
 
 
 def test_added_python_files_follow_megatron_lm_black() -> None:
-    files = {**build_series.subsystem_files(), **build_series.test_files(True)}
+    files = {
+        **build_series.subsystem_files(),
+        **build_series.test_files(True),
+        **build_series.in_place_merge_files(),
+    }
     unformatted = [path for path, content in sorted(files.items()) if not _black_clean(content)]
     assert unformatted == [], "black 26 with Megatron-LM's settings would reformat these"
 
@@ -158,6 +172,8 @@ def test_cover_letter_has_its_required_content(offloader: bool) -> None:
         "master_weights",
         "OptimizerConfig.optimizer_state_adoption",
         "--no-optimizer-state-adoption",
+        "(#1842)",
+        IN_PLACE_MERGE,
     ):
         assert fact in words, fact
     assert (build_series.COVER_OFFLOADER in cover) is offloader
@@ -415,6 +431,64 @@ def test_our_patches_carry_to_known_files_only(
         build_series.our_hunks(CALL_SITE)
 
 
+OLDER_RELEASES_PATCH = """\
+Releases: <0.18
+--- a/megatron/core/transformer/mlp.py
++++ b/megatron/core/transformer/mlp.py
+@@ -1,1 +1,2 @@
+ import torch
++import os
+"""
+
+
+def test_only_the_newest_releases_patches_enter_the_series(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A patch for older releases only (patches/0005: mlp.py's nested merge, <0.18) is skipped,
+    though it changes a file the series does not carry; without its Releases line it is refused."""
+    ours = sorted((REPO_ROOT / "patches").glob("*.patch"))
+    older = [p.name for p in ours if not patch_releases(p).contains(DEFAULT_UPSTREAM_VERSION)]
+    assert [p.name for p in build_series.series_patches()] == [
+        p.name for p in ours if p.name not in older
+    ]
+    changing_mlp = [
+        p.name for p in ours if "\n+++ b/megatron/core/transformer/mlp.py" in p.read_text()
+    ]
+    assert set(changing_mlp) <= set(older)
+    carried = {path: _changes(build_series.our_hunks(path)) for path in build_series.PATCHED_FILES}
+    (tmp_path / "patches").mkdir()
+    for patch in ours:
+        (tmp_path / "patches" / patch.name).write_text(patch.read_text())
+    (tmp_path / "patches" / "0098-older.patch").write_text(OLDER_RELEASES_PATCH)
+    monkeypatch.setattr(build_series, "REPO_ROOT", tmp_path)
+    assert "0098-older.patch" not in [p.name for p in build_series.series_patches()]
+    for path, changes in carried.items():
+        assert _changes(build_series.our_hunks(path)) == changes, path
+    (tmp_path / "patches" / "0098-older.patch").write_text(OLDER_RELEASES_PATCH.split("\n", 1)[1])
+    with pytest.raises(SeriesError, match="0098-older.patch changes megatron/core/transformer/mlp"):
+        build_series.our_hunks(CALL_SITE)
+
+
+def test_bug_fix_hunk_is_only_in_its_own_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = (REPO_ROOT / "patches" / build_series.BUG_FIX_PATCH).read_text()
+    fix = build_series.our_hunks(CALL_SITE, bug_fix=True)
+    assert _changes(fix) == _changes(build_series.parse_hunks(text, CALL_SITE, True))
+    assert [h.kind for h in fix] == ["insert"]
+    assert not set(_changes(fix)) & set(_changes(build_series.our_hunks(CALL_SITE)))
+    for path in (NON_DISTRIBUTED_FILE, CONFIG_FILE, UTILS_FILE):
+        with pytest.raises(SeriesError, match="has no hunk"):
+            build_series.our_hunks(path, bug_fix=True)
+    (tmp_path / "patches").mkdir()
+    for patch in sorted((REPO_ROOT / "patches").glob("*.patch")):
+        if patch.name != build_series.BUG_FIX_PATCH:
+            (tmp_path / "patches" / patch.name).write_text(patch.read_text())
+    monkeypatch.setattr(build_series, "REPO_ROOT", tmp_path)
+    with pytest.raises(SeriesError, match="BUG_FIX_PATCH"):
+        build_series.our_hunks(CALL_SITE)
+
+
 SYNTHETIC_CONFIG = '''\
 from dataclasses import dataclass
 
@@ -634,7 +708,13 @@ needs_mirror = pytest.mark.skipif(
 
 
 class Built:
-    """The series of one branch, built at its recorded snapshot."""
+    """The series of one branch, built at its recorded snapshot.
+
+    Attributes:
+        commits: per commit message (as in ``COMMIT_MESSAGES``), its diffs by path.
+        diffs: by path, the diff of the last commit that changes the file.
+        first_diffs: by path, the diff of the first commit that changes the file.
+    """
 
     def __init__(self, branch: str, out: Path) -> None:
         entry = MANIFEST[branch]
@@ -643,11 +723,18 @@ class Built:
         )
         name, email = str(entry["author"])[:-1].split(" <")
         self.patches = build_series.build(self.snapshot, out, identity=(name, email))
-        self.diffs: Dict[str, FileDiff] = {
-            d.path: d
-            for patch in build_series.code_patches(self.patches)
-            for d in build_series.read_series_patch(patch.read_text())
+        patches = build_series.code_patches(self.patches)
+        assert len(patches) == len(COMMIT_MESSAGES)
+        self.commits: Dict[str, Dict[str, FileDiff]] = {
+            message: {d.path: d for d in build_series.read_series_patch(patch.read_text())}
+            for message, patch in zip(COMMIT_MESSAGES, patches)
         }
+        self.diffs: Dict[str, FileDiff] = {}
+        self.first_diffs: Dict[str, FileDiff] = {}
+        for diffs in self.commits.values():
+            self.diffs.update(diffs)
+            for path, diff in diffs.items():
+                self.first_diffs.setdefault(path, diff)
 
 
 @pytest.fixture(scope="module")
@@ -675,11 +762,13 @@ def test_built_series_is_recorded_and_applies_to_a_full_work_tree(
     changed = sorted(path for path, diff in series.diffs.items() if not diff.new_file)
     assert changed == sorted(build_series.TOUCHED_UPSTREAM_FILES)
     for path in changed:
-        assert str(entry["pre_image_blobs"][path]).startswith(series.diffs[path].pre_blob)
+        assert str(entry["pre_image_blobs"][path]).startswith(series.first_diffs[path].pre_blob)
     cover = " ".join(series.patches[0].read_text().split())
     for patch in series.patches[1:]:  # format-patch's shortlog names every commit
         subject = re.search(
-            r"^Subject: \[PATCH \d/5\] (.*(?:\n .*)*)", patch.read_text(), re.MULTILINE
+            rf"^Subject: \[PATCH \d/{len(COMMIT_MESSAGES)}\] (.*(?:\n .*)*)",
+            patch.read_text(),
+            re.MULTILINE,
         )
         assert subject is not None and " ".join(subject.group(1).split()) in cover
 
@@ -692,6 +781,7 @@ def test_every_added_file_is_its_source(built: Dict[str, Built], branch: str) ->
         **build_series.subsystem_files(),
         **build_series.test_files(offloader),
         **build_series.docs_files(),
+        **build_series.in_place_merge_files(),
     }
     added = {path: d.new_content() for path, d in built[branch].diffs.items() if d.new_file}
     assert sorted(added) == sorted(expected)
@@ -702,7 +792,8 @@ def test_every_added_file_is_its_source(built: Dict[str, Built], branch: str) ->
 @needs_mirror
 @pytest.mark.parametrize("branch", BRANCHES)
 def test_call_sites_make_our_patch_changes(built: Dict[str, Built], branch: str) -> None:
-    diffs = built[branch].diffs
+    diffs = built[branch].commits[build_series.CALL_SITE_MESSAGE]
+    assert sorted(diffs) == sorted([CALL_SITE, NON_DISTRIBUTED_FILE])
     if not built[branch].snapshot.offloader:
         for path in (CALL_SITE, NON_DISTRIBUTED_FILE):
             assert _changes(diffs[path].hunks) == _changes(build_series.our_hunks(path)), path
@@ -755,7 +846,8 @@ def test_config_field_and_argument_are_the_generated_ones(
 def test_changed_python_files_stay_black_clean(
     built: Dict[str, Built], branch: str, tmp_path: Path
 ) -> None:
-    """A changed file the snapshot has black-clean (all but main's arguments.py) stays so."""
+    """A changed file the snapshot has black-clean (all but main's arguments.py and dev's
+    transformer/utils.py) stays so."""
     series = built[branch]
     build_series.work_tree(MIRROR, series.snapshot.commit, tmp_path)
     subprocess.run(
@@ -768,4 +860,60 @@ def test_changed_python_files_stay_black_clean(
         if path.endswith(".py") and _black_clean(before):
             assert _black_clean((tmp_path / path).read_text()), path
             checked.append(path)
-    assert len(checked) == (4 if branch == "dev" else 3)
+    assert len(checked) == 4
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_bug_fix_is_the_first_commit_alone_and_not_repeated(
+    built: Dict[str, Built], branch: str
+) -> None:
+    series = built[branch]
+    fix = build_series.our_hunks(CALL_SITE, bug_fix=True)
+    (first_message, first), *later = series.commits.items()
+    assert first_message == build_series.BUG_FIX_MESSAGE and sorted(first) == [CALL_SITE]
+    assert _changes(first[CALL_SITE].hunks) == _changes(fix)
+    before = series.snapshot.files[CALL_SITE]
+    assert build_series.blob_id(before).startswith(first[CALL_SITE].pre_blob)
+    # the call sites apply to the fixed file, and only one commit carries the fix
+    fixed = build_series.change_file(before, fix, CALL_SITE, False)
+    call_site = series.commits[build_series.CALL_SITE_MESSAGE][CALL_SITE]
+    assert build_series.blob_id(fixed).startswith(call_site.pre_blob)
+    fix_lines = {line for hunk in fix for line in hunk.added}
+    for message, diffs in later:
+        for diff in diffs.values():
+            assert not fix_lines & {line for h in diff.hunks for line in h.added}, message
+    assert [message for message, diffs in later if CALL_SITE in diffs] == [
+        build_series.CALL_SITE_MESSAGE
+    ]
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_in_place_merge_commit_adds_our_module_and_changes_the_merge(
+    built: Dict[str, Built], branch: str
+) -> None:
+    series = built[branch]
+    diffs = series.commits[build_series.IN_PLACE_MERGE_MESSAGE]
+    assert sorted(diffs) == sorted([IN_PLACE_MERGE, IN_PLACE_MERGE_TEST, UTILS_FILE])
+    assert diffs[IN_PLACE_MERGE].new_file and diffs[IN_PLACE_MERGE_TEST].new_file
+    header = build_series.PYTHON_HEADER
+    module = diffs[IN_PLACE_MERGE].new_content()
+    assert module.startswith(header)
+    ours = (REPO_ROOT / IN_PLACE_MERGE).read_text()
+    assert module.removeprefix(header) == ours.removeprefix(header)
+    test = diffs[IN_PLACE_MERGE_TEST].new_content()
+    assert test == (REPO_ROOT / "upstream" / IN_PLACE_MERGE_TEST).read_text()
+    # utils.py: exactly patches/0004's hunks (the import, cat_with_oom_fallback's view first)
+    utils = diffs[UTILS_FILE]
+    assert build_series.blob_id(series.snapshot.files[UTILS_FILE]).startswith(utils.pre_blob)
+    assert _changes(utils.hunks) == _changes(build_series.our_hunks(UTILS_FILE))
+    assert [h for h in utils.hunks if "def cat_with_oom_fallback(sub_state_dict):" in h.before]
+    added = [line.strip() for h in utils.hunks for line in h.added]
+    assert "from megatron.core.dist_checkpointing.in_place_merge import concatenated_view" in added
+    assert "merged = concatenated_view(sub_state_dict)" in added
+    # no other commit touches these files, and the merge of older releases (mlp.py) is absent
+    for message, other in series.commits.items():
+        if message != build_series.IN_PLACE_MERGE_MESSAGE:
+            assert not set(other) & set(diffs), message
+    assert "megatron/core/transformer/mlp.py" not in series.diffs
