@@ -5,6 +5,7 @@
 # user's own pretrain_gpt.py arguments, one run per row, side by side through
 # megatron-lm-suite.sh (same installs, results in $OUT/suite.tgz).
 #   ROWS="llama-distributed llama-precision-aware llama-fp32" bash scripts/device/llama-table.sh
+# A ROWS entry that is not a row is a built-in configuration (e.g. llama, with SIZE=1b).
 # Rows: llama-distributed (BF16, distributed optimizer), llama-precision-aware (+ BF16 moments),
 # llama-fp32 (FP32, no distributed optimizer), llama-fp32-gelu (the same without SwiGLU),
 # llama-fp32-no-gqa (the same without GQA). Without --deterministic (DETERMINISTIC=0: a 1 B
@@ -29,7 +30,10 @@ declare -A rows=(
 )
 runs=()
 for row in ${ROWS:-llama-distributed llama-precision-aware llama-fp32}; do
-  [[ -n ${rows[$row]:-} ]] || { echo "unknown row $row; rows: ${!rows[*]}" >&2; exit 2; }
-  runs+=("$row:$(echo ${rows[$row]})")
+  if [[ -n ${rows[$row]:-} ]]; then
+    runs+=("$row:$(echo ${rows[$row]})")
+  else
+    runs+=("$row")  # a built-in configuration, at $SIZE
+  fi
 done
 DETERMINISTIC=${DETERMINISTIC:-0} ITERS=${ITERS:-6 3} GPU_TESTS=${GPU_TESTS:-0} exec bash "$(dirname "$0")/megatron-lm-suite.sh" "${runs[@]}"
