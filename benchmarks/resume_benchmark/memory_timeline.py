@@ -327,3 +327,16 @@ def iter_levels(timeline: Mapping[str, Any]) -> Iterable[Point]:
     """The points of ``timeline`` as ``(seconds, bytes)`` tuples."""
     for t, value in timeline["points"]:
         yield float(t), int(value)
+
+
+def phase_levels(timeline: Mapping[str, Any]) -> list[tuple[str, int, int]]:
+    """Per phase of the load: its label, the highest level within it and the level at its end,
+    in bytes over the pre-load baseline (a phase without a point holds the level before it)."""
+    points = list(iter_levels(timeline))
+    levels = []
+    for phase in timeline["phases"]:
+        before = [value for t, value in points if t < phase["start_s"]]
+        inside = [value for t, value in points if phase["start_s"] <= t <= phase["end_s"]]
+        start = before[-1] if before else 0
+        levels.append((phase["label"], max([start, *inside]), inside[-1] if inside else start))
+    return levels

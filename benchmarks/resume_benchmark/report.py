@@ -28,6 +28,7 @@ from benchmarks.resume_benchmark.configs import (
 from benchmarks.resume_benchmark.configs import extra_adopters
 from benchmarks.resume_benchmark.megatron_lm import RESUME_SIDES, SCRIPT, failed_phases
 from benchmarks.resume_benchmark.megatron_lm import optimizer_elements
+from benchmarks.resume_benchmark.memory_timeline import phase_levels
 from benchmarks.resume_benchmark.results import OWN_LOADER, adopters_that_handled, write_json
 
 #: Tolerance of "the measured bytes equal the expectation": max(relative, absolute). Relative:
@@ -231,6 +232,7 @@ def run_markdown(run: Mapping[str, Any]) -> str:
             record.get("installed_by") or "own loader (no outcomes recorded)",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _phase_table(records, params)
     if training_peak:
         lines.append(f"\nUninterrupted run's training peak: {training_peak / _MIB:,.1f} MiB.")
     for side in RESUME_SIDES:
@@ -254,6 +256,34 @@ def run_markdown(run: Mapping[str, Any]) -> str:
         )
     lines += ["", "What the client added:", *(f"- {note}" for note in run["notes"])]
     return "\n".join(lines) + "\n"
+
+
+def _phase_table(records: Mapping[str, Any], params: int | None) -> list[str]:
+    """Where the load's memory goes: per side and phase, the highest level within the phase and
+    the level at its end, over pre-load (B/param where the parameters are known)."""
+    timelines = {
+        side: timeline
+        for side in RESUME_SIDES
+        if isinstance(timeline := ((records.get(f"resume-{side}") or {}).get("load") or {}).get(
+            "memory_timeline"), dict) and "phases" in timeline
+    }  # fmt: skip
+    if not timelines:
+        return []
+    unit, scale = ("B/param", float(params)) if params else ("MiB", _MIB)
+    labels = [label for label, _, _ in phase_levels(next(iter(timelines.values())))]
+    lines = [
+        "",
+        f"Where the load's memory goes ({unit} over pre-load: highest within each phase / at its end):",
+        "",
+        "| side | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
+    for side, timeline in timelines.items():
+        cells = [
+            f"{peak / scale:.2f} / {end / scale:.2f}" for _, peak, end in phase_levels(timeline)
+        ]
+        lines.append(f"| {side} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown_report(document: Mapping[str, Any]) -> str:
