@@ -80,6 +80,24 @@ def test_swiglu_fc1_loads_into_the_parameter_without_a_copy(tmp_path: Path) -> N
 
 
 @pytest.mark.usefixtures("gloo_rank", "cpu_saver")
+def test_mamba_in_proj_split_in_five_loads_into_the_parameter(tmp_path: Path) -> None:
+    """Mamba's in_proj is saved through the same merge, as five sections [z|x|B|C|dt]."""
+    from megatron.core.ssm.utils import _split_tensor_factory
+
+    def state_dict(weight: torch.Tensor) -> Dict[str, Any]:
+        sharded = ShardedTensor.from_rank_offsets("mixer.in_proj.weight", weight, replica_id=0)
+        return {"in_proj": _split_tensor_factory(sharded, [4, 4, 2, 2, 3], list("zxBCd"), 0)}
+
+    torch.manual_seed(2)
+    saved = torch.randn(15, 6)
+    dist_checkpointing.save(state_dict(saved), str(tmp_path))
+    weight = torch.nn.Parameter(torch.zeros(15, 6))
+    loaded = dist_checkpointing.load(state_dict(weight), str(tmp_path))
+    assert loaded["in_proj"].data_ptr() == weight.data_ptr()
+    assert torch.equal(loaded["in_proj"], saved) and torch.equal(weight, saved)
+
+
+@pytest.mark.usefixtures("gloo_rank", "cpu_saver")
 def test_optimizer_state_read_through_the_factory_is_the_state_tensor(tmp_path: Path) -> None:
     """Non-distributed optimizers save their state through the parameter's factory with the
     data replaced (make_sharded_optimizer_tensor): the state loads into its own tensor."""
