@@ -73,13 +73,13 @@ class Configuration:
     upstream_divergence: str | None = None
 
     def script_arguments(self, size: str) -> list[str]:
-        """The model size's arguments followed by this mode's (the last of a flag wins)."""
-        size_arguments = SIZES[size]
-        ffn: tuple[str, ...] = ()
+        """The model size's arguments (its FFN width scaled here) followed by this mode's."""
+        size_arguments = list(SIZES[size])
         if self.ffn_hidden_size_ratio is not None:
             hidden = int(size_arguments[size_arguments.index("--hidden-size") + 1])
-            ffn = ("--ffn-hidden-size", str(int(hidden * self.ffn_hidden_size_ratio)))
-        return [*size_arguments, *self.arguments, *ffn]
+            ffn = size_arguments.index("--ffn-hidden-size") + 1
+            size_arguments[ffn] = str(int(hidden * self.ffn_hidden_size_ratio))
+        return [*size_arguments, *self.arguments]
 
 
 _DISTRIBUTED: Final = ("--bf16", "--use-distributed-optimizer")
@@ -134,9 +134,9 @@ CONFIGURATIONS: Final[Mapping[str, Configuration]] = {
         ),
         Configuration(
             "llama", (*_DISTRIBUTED, *_LLAMA), _ADOPTS,
-            "Llama-style: SwiGLU (FFN 2.75 x hidden), GQA with 4 groups, RMSNorm, RoPE, untied "
-            "embeddings, no biases; BF16, distributed optimizer",
-            ffn_hidden_size_ratio=2.75,
+            "Llama-style: SwiGLU (FFN 3.5 x hidden, as Llama 3 and Mistral), GQA with 4 groups, "
+            "RMSNorm, RoPE, untied embeddings, no biases; BF16, distributed optimizer",
+            ffn_hidden_size_ratio=3.5,
         ),
         Configuration(
             "cpu-offload",

@@ -47,10 +47,11 @@ def test_configurations_parse_and_cover_every_load_path() -> None:
     assert fsdp[fsdp.index("--ckpt-format") + 1] == "fsdp_dtensor"
     assert "--use-distributed-optimizer" not in CONFIGURATIONS["non-distributed-fp32"].arguments
     assert "--bf16" not in CONFIGURATIONS["non-distributed-fp32"].arguments
-    # llama: SwiGLU at 2.75 x hidden (Llama's 5,632 at hidden 2,048), overriding the size's 4 x
+    # llama: SwiGLU at 3.5 x hidden (Llama 3's 14,336 at hidden 4,096) in place of the size's 4 x
     llama = {size: CONFIGURATIONS["llama"].script_arguments(size) for size in SIZES}
-    assert {size: a[len(a) - 1 - a[::-1].index("--ffn-hidden-size") + 1] for size, a in llama.items()} == {
-        "1b": "5632", "small": "2816", "tiny": "704"}  # fmt: skip
+    assert {size: a[a.index("--ffn-hidden-size") + 1] for size, a in llama.items()} == {
+        "1b": "7168", "small": "3584", "tiny": "896"}  # fmt: skip
+    assert all(a.count("--ffn-hidden-size") == 1 for a in llama.values())
     assert {"--swiglu", "--group-query-attention", "--disable-bias-linear"} <= set(llama["1b"])
 
 
