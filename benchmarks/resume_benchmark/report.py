@@ -37,6 +37,8 @@ RELATIVE_TOLERANCE: Final = 0.05 / FP32_MOMENT_PAIR_BYTES
 ABSOLUTE_TOLERANCE: Final = 1 << 20
 
 _MIB = float(1 << 20)
+#: Half the last digit of Megatron-LM's "max allocated" report (MiB, two decimals).
+_REPORT_ROUNDING: Final = 0.005 * _MIB
 _TITLE = "# Resume memory in Megatron-LM's `pretrain_gpt.py`: upstream megatron-core vs. the build"
 
 
@@ -102,6 +104,21 @@ def run_numbers(run: Mapping[str, Any]) -> RunNumbers:
     )
 
 
+def within_training_peak(report: float | None, training_peak: int | None) -> bool | None:
+    """Whether Megatron's "max allocated" report is at most the uninterrupted run's peak.
+
+    Args:
+        report: the report in MiB, as Megatron-LM prints it (two decimals).
+        training_peak: the uninterrupted run's max allocated bytes.
+
+    Returns:
+        None where either is missing; a report equal to the peak once rounded counts as within.
+    """
+    if report is None or training_peak is None:
+        return None
+    return report * _MIB <= training_peak + _REPORT_ROUNDING
+
+
 def expectation_problems(run: Mapping[str, Any]) -> list[str]:
     """Why a run misses what ``--check`` requires (empty: it meets it): every phase ran, equal
     losses and checkpoints, the predicted saving, and with ``ADOPTS`` the default adopter on the
@@ -126,7 +143,7 @@ def expectation_problems(run: Mapping[str, Any]) -> list[str]:
         if not any(name in installed for name in DEFAULT_ADOPTERS):
             problems.append(f"the build's state was installed by {installed or 'nothing recorded'}")
         report, peak = numbers.reports["build"], numbers.training_peak
-        if report is None or peak is None or report * _MIB > peak + ABSOLUTE_TOLERANCE:
+        if not within_training_peak(report, peak):
             problems.append(
                 f"the build's max allocated after the first resumed iteration ({report} MiB) "
                 f"exceeds the uninterrupted training peak ({_mib(peak)} MiB)"
@@ -220,7 +237,7 @@ def run_markdown(run: Mapping[str, Any]) -> str:
             continue
         peak = record.get("load_peak_over_baseline")
         report = record.get("first_memory_report")
-        within = None if not report or not training_peak else report[1] * _MIB <= training_peak
+        within = within_training_peak(report[1] if report else None, training_peak)
         differences = run["loss_differences"].get(side)
         cells = [
             side,
