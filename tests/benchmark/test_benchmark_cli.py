@@ -284,18 +284,20 @@ def test_a_report_equal_to_the_peak_once_rounded_is_within_it() -> None:
 @pytest.mark.parametrize(
     ("document_path", "missed"),
     [
+        ("session-14-megatron-lm-suite/suite.json", {"moe"}),  # moe failed to train then
         ("session-16-megatron-lm-suite/suite.json", {"llama"}),  # 8.09 at 2.75 x: allocator blocks
         ("session-16-llama-table/suite.json", set()),
         ("session-17-llama-readme/suite.json", set()),
         ("session-17-llama-readme/readme-run.json", set()),
     ],
 )
-def test_the_committed_issue_29_runs_re_render_and_meet_their_expectations(
+def test_the_committed_h200_runs_re_render_and_meet_their_expectations(
     document_path: str, missed: set[str]
 ) -> None:
-    """Issue #29's H200 runs: each report re-renders from its JSON, ``--check``'s verdicts are
-    the GPU report's, and every SwiGLU run of the build loads at its floor (the level at the end
-    of its load) within the uninterrupted run's peak."""
+    """The committed H200 runs: each report re-renders from its JSON, ``--check``'s verdicts are
+    the GPU report's, and every Llama-style run of the build (own arguments included) has its
+    load peak at the floor (8 B, precision-aware 6 B, per element within 0.05 B) and its max
+    allocated within the uninterrupted run's peak."""
     path = Path(__file__).resolve().parents[2] / "docs/gpu-results" / document_path
     document = json.loads(path.read_text())
     assert markdown_report(document) == path.with_suffix(".md").read_text()
@@ -311,14 +313,11 @@ def test_the_committed_issue_29_runs_re_render_and_meet_their_expectations(
             assert rise <= (floor + 0.05) * elements and within_training_peak(report, peak)
 
 
-def test_the_committed_h200_suite_re_renders_and_meets_its_expectations() -> None:
-    """docs/gpu-results/session-14-megatron-lm-suite: the report re-renders from its JSON, and
-    ``--check``'s verdicts on it are what the GPU report states."""
+def test_the_committed_session_14_suite_saves_what_the_gpu_report_states() -> None:
+    """docs/gpu-results/session-14-megatron-lm-suite: the FP32 modes avoid 8 B x elements, the
+    precision-aware saving is the plugin's, not predicted."""
     results = Path(__file__).resolve().parents[2] / "docs/gpu-results/session-14-megatron-lm-suite"
     document = json.loads((results / "suite.json").read_text())
-    assert markdown_report(document) == (results / "suite.md").read_text()
-    verdicts = {run["configuration"]["name"]: expectation_problems(run) for run in document["runs"]}
-    assert {name for name, problems in verdicts.items() if problems} == {"moe"}  # failed to train
     for run in document["runs"][:5]:  # the FP32 modes: the default adopter, 8 B/param avoided
         numbers = run_numbers(run)
         assert numbers.expected == 8 * numbers.elements and numbers.elements == 203_716_608
