@@ -7,7 +7,7 @@ detail, and what ``--check`` holds the build to. Pure Python; re-renders a JSON 
 Several documents of the same two sides (e.g. configurations run side by side) merge into one.
 
 A document is one invocation (``{"environment", "sides", "runs": [...]}``) or a single run of the
-Megatron-LM client (one entry of ``runs``; e.g. docs/gpu-results/session-13-megatron-lm).
+Megatron-LM client (one entry of ``runs``; e.g. docs/gpu-results/megatron-lm-1b).
 """
 
 from __future__ import annotations

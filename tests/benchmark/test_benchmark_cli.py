@@ -284,11 +284,11 @@ def test_a_report_equal_to_the_peak_once_rounded_is_within_it() -> None:
 @pytest.mark.parametrize(
     ("document_path", "missed"),
     [
-        ("session-14-megatron-lm-suite/suite.json", {"moe"}),  # moe failed to train then
-        ("session-16-megatron-lm-suite/suite.json", {"llama"}),  # 8.09 at 2.75 x: allocator blocks
-        ("session-16-llama-table/suite.json", set()),
-        ("session-17-llama-readme/suite.json", set()),
-        ("session-17-llama-readme/readme-run.json", set()),
+        ("megatron-lm-small-24mib-chunk/suite.json", {"moe"}),  # moe failed to train then
+        ("megatron-lm-small/suite.json", {"llama"}),  # 8.09 at 2.75 x: allocator blocks
+        ("llama-style-1b/suite.json", set()),
+        ("builtin-llama/suite.json", set()),
+        ("builtin-llama/readme-run.json", set()),
     ],
 )
 def test_the_committed_h200_runs_re_render_and_meet_their_expectations(
@@ -313,10 +313,10 @@ def test_the_committed_h200_runs_re_render_and_meet_their_expectations(
             assert rise <= (floor + 0.05) * elements and within_training_peak(report, peak)
 
 
-def test_the_committed_session_14_suite_saves_what_the_gpu_report_states() -> None:
-    """docs/gpu-results/session-14-megatron-lm-suite: the FP32 modes avoid 8 B x elements, the
+def test_the_committed_24mib_chunk_suite_saves_what_the_gpu_report_states() -> None:
+    """docs/gpu-results/megatron-lm-small-24mib-chunk: the FP32 modes avoid 8 B x elements, the
     precision-aware saving is the plugin's, not predicted."""
-    results = Path(__file__).resolve().parents[2] / "docs/gpu-results/session-14-megatron-lm-suite"
+    results = Path(__file__).resolve().parents[2] / "docs/gpu-results/megatron-lm-small-24mib-chunk"
     document = json.loads((results / "suite.json").read_text())
     for run in document["runs"][:5]:  # the FP32 modes: the default adopter, 8 B/param avoided
         numbers = run_numbers(run)

@@ -351,7 +351,7 @@ def test_runs_with_timelines_are_found(figures: Any) -> None:
         ("dp-reshardable", 50_000_000, ["upstream", "build"])
     ]
     assert figures.figure_name(figures.CaseTimelines("your arguments", {})) == "your_arguments.png"
-    # A single run of the client (docs/gpu-results/session-13-megatron-lm) is its own document.
+    # A single run of the client (docs/gpu-results/megatron-lm-1b) is its own document.
     (single,) = figures.case_timelines(_run("megatron-lm", _two_sides()) | {"configuration": {}})
     assert single.case == "megatron-lm"
 

@@ -385,8 +385,8 @@ def test_probe_opens_the_load_phases_at_the_real_functions(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("mode", ["default", "deterministic"])
 def test_committed_h200_results_render_unchanged(mode: str) -> None:
-    """docs/gpu-results/session-13-megatron-lm: the report re-renders from its JSON."""
-    results = Path(__file__).resolve().parents[2] / "docs/gpu-results/session-13-megatron-lm"
+    """docs/gpu-results/megatron-lm-1b: the report re-renders from its JSON."""
+    results = Path(__file__).resolve().parents[2] / "docs/gpu-results/megatron-lm-1b"
     document = json.loads((results / f"mlm-{mode}.json").read_text())
     assert markdown_report(document) == (results / f"mlm-{mode}.md").read_text()
     build = document["phases"]["resume-build"]

@@ -1,5 +1,5 @@
-"""Issue #28's holes, each as a test that fails on the code before it (commit 3987781; run
-``scripts/probe_issue_28_holes.py`` there, output in docs/holes-issue-28.txt) and passes now.
+"""Holes in the subsystem's safeguards (read targets, initializers, shared tensors, hooks and
+handles), each as a test that fails on the code of commit 3987781 and passes now.
 
 Every test uses the CPU stand-in for TE's FusedAdam (tests/fused_adam_standin.py reproduces
 TE's loading behaviour) and compares with the path upstream Megatron-Core takes.
