@@ -1,3 +1,5 @@
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+
 """Optimizer-state adoption: Megatron-Core's optimizers load checkpoints through state adopters.
 
 Where Megatron-Core hands loaded state to an inner optimizer (the call-site functions below),
@@ -35,4 +37,4 @@ __all__ = [
     "unscaled_state_or_read_target",
 ]
 
-default_registry().register(TEFusedAdamFP32StateAdopter(), built_in=True)
+default_registry().register(TEFusedAdamFP32StateAdopter())

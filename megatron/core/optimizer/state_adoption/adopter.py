@@ -1,24 +1,35 @@
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+
 """The state adopter interface and the context its roles are given."""
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Mapping, Optional, Tuple
 
 import torch
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class AdoptionContext:
-    """What an adopter is told about one call: the inner ``optimizer`` (e.g. TE's FusedAdam),
-    its owner's ``config``, ``ddp_config`` (None for the non-distributed optimizers) and
-    ``is_stub_optimizer``; for a load the ``state_dict`` to install (neither it nor its tensors
-    may be written to) and ``owns_state_dict``: whether the call site built the dict and its
-    tensors, so that nobody else holds them (otherwise the caller may keep and reuse the tensors
-    the optimizer does not hold already, which TE's loader copies)."""
+    """What a state adopter is told about one call.
+
+    Attributes:
+        optimizer (torch.optim.Optimizer): the inner optimizer, e.g. TE's FusedAdam.
+        config (OptimizerConfig, optional): the owning Megatron optimizer's config.
+        ddp_config (DistributedDataParallelConfig, optional): the owner's DDP config; None for
+            the non-distributed optimizers.
+        is_stub_optimizer (bool): the owner holds no parameters on this rank.
+        state_dict (Mapping, optional): for a load, the state dict to install. Neither it nor its
+            tensors may be written to.
+        owns_state_dict (bool): the call site built the state dict and its tensors, so that
+            nobody else holds them and they may be installed by reference. Otherwise the caller
+            may keep the tensors the optimizer does not hold already.
+    """
 
     optimizer: torch.optim.Optimizer
     config: Optional["OptimizerConfig"] = None
@@ -28,26 +39,42 @@ class AdoptionContext:
     owns_state_dict: bool = False
 
     @classmethod
-    def for_owner(cls, owner: Any, **fields: Any) -> "AdoptionContext":
-        """The context of a Megatron optimizer's (``owner``'s) inner optimizer; ``fields`` are
-        a load's ``state_dict`` and ``owns_state_dict``."""
+    def for_owner(
+        cls,
+        owner: "MegatronOptimizer",
+        state_dict: Optional[Mapping[str, Any]] = None,
+        owns_state_dict: bool = False,
+    ) -> "AdoptionContext":
+        """Returns the context of the inner optimizer of ``owner``, a Megatron optimizer."""
         return cls(
             optimizer=owner.optimizer,
             config=getattr(owner, "config", None),
             ddp_config=getattr(owner, "ddp_config", None),
             is_stub_optimizer=bool(getattr(owner, "is_stub_optimizer", False)),
-            **fields,
+            state_dict=state_dict,
+            owns_state_dict=owns_state_dict,
         )
 
 
 class StateAdopter(abc.ABC):
-    """Does what the inner optimizer's own code does with loaded state, without its waste.
-    Subclasses set ``name`` and the load role; the others decline ("not offered") unless
-    overridden. A check is side-effect free, runs on any rank without communicating and returns
-    None to accept or a reason (raising declines). An action runs only after its check accepted
-    and is checked against what the own code gives; if it raises or does not match, the optimizer
-    is restored and the own code runs (a strict registry raises). No role sees an optimizer with
-    hooks for, or an instance attribute of, the method it stands in for."""
+    """Does what an inner optimizer's own code does with checkpoint state, without its copies.
+
+    Subclasses set :attr:`name` and implement the load role (:meth:`decline_reason` and
+    :meth:`adopt`); the other roles decline unless overridden. A check (``*_decline_reason``)
+    changes nothing and communicates with no other rank; it returns None to accept, or the
+    reason it declines. An action runs only after its check accepted, and its result is checked
+    against what the own code would give; if it raises or its result does not match, the
+    optimizer is restored and the own code runs (a strict registry raises instead).
+
+    An install keeps the incoming tensors themselves: each state tensor it leaves is the state
+    dict's tensor (same memory, dtype, shape and device), unwritten. What an adopter cannot
+    install by reference, it declines.
+    """
+
+    #: Attributes of the inner optimizer besides ``state`` and ``param_groups`` that
+    #: :meth:`adopt` may change (e.g. FusedAdam's ``_scales``). A change to any other fails the
+    #: result check.
+    installed_attributes: ClassVar[Tuple[str, ...]] = ()
 
     @property
     @abc.abstractmethod
@@ -56,34 +83,51 @@ class StateAdopter(abc.ABC):
 
     @abc.abstractmethod
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """None to install ``context.state_dict`` instead of ``optimizer.load_state_dict``,
-        otherwise why not."""
+        """Checks whether to install ``context.state_dict`` instead of ``load_state_dict``.
+
+        Args:
+            context (AdoptionContext): the load; ``context.state_dict`` is set.
+
+        Returns:
+            Optional[str]: None to accept, otherwise why the adopter declines.
+        """
 
     @abc.abstractmethod
     def adopt(self, context: AdoptionContext) -> None:
-        """Install ``context.state_dict`` (all or nothing) into the optimizer."""
+        """Installs ``context.state_dict`` into ``context.optimizer``, all or nothing."""
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Whether to export the state dict instead of ``optimizer.state_dict()``."""
+        """Checks whether to export the state dict instead of ``optimizer.state_dict()``."""
         return "it offers no export"
 
     def export_state_dict(self, context: AdoptionContext) -> Dict[str, Any]:
-        """PyTorch's state dict of the optimizer, with the held tensors themselves."""
+        """Returns PyTorch's state dict of the optimizer, holding its state tensors themselves."""
         raise NotImplementedError
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Whether ``optimizer.step()`` without gradients creates the complete state a checkpoint
-        is read into, so that Megatron-FSDP's dummy step needs no zero gradients."""
+        """Checks whether ``optimizer.step()`` without gradients creates the complete state.
+
+        If it does, Megatron-FSDP's dummy step before a checkpoint read needs no zero gradients.
+        """
         return "it offers no initialization"
 
     def read_target_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Whether to supply the tensors a checkpoint is read into (asked once per read)."""
+        """Checks whether to supply the tensors a checkpoint is read into (once per read)."""
         return "it offers no read targets"
 
     def read_target(self, context: AdoptionContext, param: torch.Tensor, name: str) -> torch.Tensor:
-        """The tensor state ``name`` of ``param`` is read into: the held tensor itself where
-        reading into it gives the bits ``set_scaled_state`` stores, else new memory of the dtype
-        ``get_unscaled_state`` returns."""
+        """Returns the tensor that state ``name`` of ``param`` is read into.
+
+        Args:
+            context (AdoptionContext): the read.
+            param (torch.Tensor): the parameter whose state is read.
+            name (str): the state's name, e.g. ``"exp_avg"``.
+
+        Returns:
+            torch.Tensor: the held tensor itself where reading into it gives the bits
+            ``set_scaled_state`` stores, else new memory of the dtype ``get_unscaled_state``
+            returns.
+        """
         raise NotImplementedError
 
     def __repr__(self) -> str:

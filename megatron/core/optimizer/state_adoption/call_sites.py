@@ -1,133 +1,243 @@
-"""What Megatron-Core's optimizers call where they hand state to the inner optimizer: each makes
-upstream's call unchanged (``load_state_dict``, ``state_dict()``, Megatron-FSDP's dummy step,
-``get_unscaled_state``/``set_scaled_state`` of a precision-aware ``dp_reshardable`` load) unless
-an adopter handles it."""
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+
+"""What Megatron-Core's optimizers call where they hand state to their inner optimizer.
+
+Each function makes upstream's call unchanged (``load_state_dict``, ``state_dict()``,
+Megatron-FSDP's dummy step, ``get_unscaled_state``/``set_scaled_state`` of a precision-aware
+``dp_reshardable`` load) unless a registered adopter handles it; each hook point's rules are its
+class below.
+"""
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
-from .adopter import StateAdopter
 from . import checks
-from .dispatch import Call, HookPoint, own_label, run
+from .adopter import StateAdopter
+from .dispatch import HookPoint, OutcomeRecord, Snapshot, adoption_enabled, consult, log, run
 from .registry import StateAdopterRegistry
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+
+class _Load(HookPoint[None]):
+    """``load_state_dict``: an install must keep the incoming tensors themselves."""
+
+    name, verb, upstream_method = "load", "installed", "load_state_dict"
+    # PyTorch's loader replaces the state and the groups and may add to the defaults.
+    changeable = ("state", "param_groups", "defaults")
+
+    def decline_reason(self, adopter: StateAdopter) -> Optional[str]:
+        return adopter.decline_reason(self.context)
+
+    def act(self, adopter: StateAdopter) -> None:
+        self.params = [list(group["params"]) for group in self.optimizer.param_groups]
+        adopter.adopt(self.context)
+
+    def result_problem(self, result: None, adopter: StateAdopter) -> Optional[str]:
+        assert self.context.state_dict is not None
+        return checks.installed_state_problem(self.optimizer, self.context.state_dict, self.params)
+
+    def own(self) -> None:
+        assert self.context.state_dict is not None
+        self.optimizer.load_state_dict(self.context.state_dict)  # type: ignore[arg-type]
 
 
 def load_inner_optimizer_state_dict(
-    owner: Any,
+    owner: "MegatronOptimizer",
     state_dict: Dict[str, Any],
     *,
     owns_state_dict: bool = False,
     registry: Optional[StateAdopterRegistry] = None,
 ) -> None:
-    """``owner.optimizer.load_state_dict(state_dict)``, or the first accepting adopter's install.
-    ``owns_state_dict``: the call site built the dict and its tensors (nobody else holds them),
-    so tensors the optimizer does not hold yet may be installed by reference. ``registry``
-    defaults to the process-wide one (also below)."""
-    optimizer = owner.optimizer
-    run(
-        HookPoint.LOAD,
-        owner,
-        lambda adopter, context: adopter.adopt(context),
-        lambda _, before: checks.installed_state_problem(
-            optimizer, before.given, before.params, before.held
-        ),
-        lambda: optimizer.load_state_dict(state_dict),
-        registry=registry,
-        state_dict=state_dict,
-        owns_state_dict=owns_state_dict,
-    )
+    """Loads ``state_dict`` into ``owner.optimizer``, through the first accepting adopter.
+
+    Args:
+        owner (MegatronOptimizer): the Megatron optimizer whose inner optimizer loads.
+        state_dict (Dict[str, Any]): PyTorch's state dict of the inner optimizer.
+        owns_state_dict (bool): the call site built the dict and its tensors and nobody else
+            holds them, so tensors the optimizer does not hold yet may be installed by reference.
+        registry (StateAdopterRegistry, optional): defaults to the process-wide one.
+    """
+    run(_Load(owner, registry, state_dict, owns_state_dict))
+
+
+class _Export(HookPoint[Dict[str, Any]]):
+    """``state_dict()``: an export must be the held state itself, changing nothing."""
+
+    name, verb, upstream_method = "export", "exported", "state_dict"
+
+    def decline_reason(self, adopter: StateAdopter) -> Optional[str]:
+        return adopter.export_decline_reason(self.context)
+
+    def act(self, adopter: StateAdopter) -> Dict[str, Any]:
+        return adopter.export_state_dict(self.context)
+
+    def result_problem(self, result: Dict[str, Any], adopter: StateAdopter) -> Optional[str]:
+        return checks.exported_state_problem(self.optimizer, result)
+
+    def own(self) -> Dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def result_state(self, result: Dict[str, Any]) -> Any:
+        return result.get("state") if isinstance(result, Mapping) else None
 
 
 def export_inner_optimizer_state_dict(
-    owner: Any, registry: Optional[StateAdopterRegistry] = None
+    owner: "MegatronOptimizer", registry: Optional[StateAdopterRegistry] = None
 ) -> Dict[str, Any]:
-    """``owner.optimizer.state_dict()``, or the first accepting adopter's export (checked to be
-    the held state, changing nothing)."""
-    optimizer = owner.optimizer
-    exported: Dict[str, Any] = run(
-        HookPoint.EXPORT,
-        owner,
-        lambda adopter, context: adopter.export_state_dict(context),
-        lambda result, before: before.changed() or checks.exported_state_problem(optimizer, result),
-        optimizer.state_dict,
-        registry=registry,
-    )
-    return exported
+    """Returns ``owner.optimizer.state_dict()``, or the first accepting adopter's export.
+
+    Args:
+        owner (MegatronOptimizer): the Megatron optimizer whose inner optimizer exports.
+        registry (StateAdopterRegistry, optional): defaults to the process-wide one.
+
+    Returns:
+        Dict[str, Any]: PyTorch's state dict of the inner optimizer.
+    """
+    return run(_Export(owner, registry))
+
+
+class _Initialize(HookPoint[None]):
+    """Megatron-FSDP's dummy step: a step without gradients must create every parameter's
+    state, and runs only where it cannot apply anything."""
+
+    name, verb, upstream_method = "initialize", "initialized", "step"
+    changeable = None  # the action is the inner optimizer's own step
+
+    def __init__(
+        self,
+        owner: "MegatronOptimizer",
+        own_initialization: Callable[[], None],
+        registry: Optional[StateAdopterRegistry],
+    ) -> None:
+        super().__init__(owner, registry)
+        self.own_initialization = own_initialization
+
+    def gate_reason(self) -> Optional[str]:
+        optimizer = self.optimizer
+        if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+            return "global optimizer step hooks are registered, which upstream runs"
+        if len(optimizer.state) > 0:
+            return "the optimizer holds state already, which the own initialization steps"
+        for param in checks.params_of(optimizer):
+            if param.grad is not None or getattr(param, "decoupled_grad", None) is not None:
+                return "a parameter has a gradient, which a step would apply"
+        return super().gate_reason()
+
+    def decline_reason(self, adopter: StateAdopter) -> Optional[str]:
+        return adopter.initialize_decline_reason(self.context)
+
+    def act(self, adopter: StateAdopter) -> None:
+        self.optimizer.step()
+
+    def result_problem(self, result: None, adopter: StateAdopter) -> Optional[str]:
+        return checks.initialized_state_problem(self.optimizer, checks.params_of(self.optimizer))
+
+    def own(self) -> None:
+        self.own_initialization()
+
+    def own_label(self) -> str:
+        return getattr(self.own_initialization, "__qualname__", repr(self.own_initialization))
 
 
 def initialize_inner_optimizer_state(
-    owner: Any,
+    owner: "MegatronOptimizer",
     own_initialization: Callable[[], None],
     registry: Optional[StateAdopterRegistry] = None,
 ) -> None:
-    """Megatron-FSDP's ``own_initialization()`` (a dummy step on zero gradients), or, if an
-    adopter accepts, the optimizer's own ``step()`` without gradients, which must create the state
-    of every parameter."""
-    optimizer = owner.optimizer
-    run(
-        HookPoint.INITIALIZE,
-        owner,
-        lambda adopter, context: optimizer.step(),
-        lambda _, before: checks.initialized_state_problem(
-            optimizer, [p for g in before.params for p in g]
-        ),
-        own_initialization,
-        own_name=getattr(own_initialization, "__qualname__", repr(own_initialization)),
-        registry=registry,
-    )
+    """Runs ``own_initialization`` (a dummy step on zero gradients), or a step without them.
+
+    Args:
+        owner (MegatronOptimizer): the Megatron optimizer (Megatron-FSDP) before a read.
+        own_initialization (Callable[[], None]): upstream's initialization.
+        registry (StateAdopterRegistry, optional): defaults to the process-wide one.
+    """
+    run(_Initialize(owner, own_initialization, registry))
 
 
-class _Read:
-    """The read targets of one sharded state dict built for loading: the adopters are asked at
-    the first target (a build asking for none consults nobody); after a target fails the check,
-    upstream's serve the rest."""
+class _Read(HookPoint[torch.Tensor]):
+    """The read targets of one sharded state dict built for loading.
 
-    def __init__(self, owner: Any, registry: Optional[StateAdopterRegistry]) -> None:
-        self.owner, self.call = owner, Call(HookPoint.READ, owner, registry)
+    The adopters are asked at the first target (a build asking for none consults nobody); each
+    target is checked as it is handed out; after one fails, upstream's serve the rest (nothing
+    is read yet, so upstream's targets are right).
+    """
+
+    name, verb, upstream_method = "read", "supplied read targets for", "get_unscaled_state"
+
+    def __init__(self, owner: "MegatronOptimizer", registry: Optional[StateAdopterRegistry]) -> None:
+        super().__init__(owner, registry)
+        self.owner = owner
         self.adopter: Optional[StateAdopter] = None
-        self.consulted = self.serving = self.own = False
+        self.consulted = False
         self.reason: Optional[str] = None
         self.targets: List[torch.Tensor] = []
 
+    def gate_reason(self) -> Optional[str]:
+        for method in ("get_unscaled_state", "set_scaled_state"):
+            if method in vars(self.optimizer):
+                return f"the {type(self.optimizer).__name__} instance has its own {method}"
+        return None
+
+    def decline_reason(self, adopter: StateAdopter) -> Optional[str]:
+        return adopter.read_target_decline_reason(self.context)
+
+    def act(self, adopter: StateAdopter) -> torch.Tensor:
+        return adopter.read_target(self.context, self.param, self.state_name)
+
+    def result_problem(self, result: torch.Tensor, adopter: StateAdopter) -> Optional[str]:
+        label = f"{self.state_name} of parameter {self.index.get(id(self.param))}"
+        return checks.read_target_problem(
+            self.optimizer, self.param, self.state_name, result, self.extents, label
+        )
+
+    def own(self) -> torch.Tensor:
+        unscaled: torch.Tensor = self.optimizer.get_unscaled_state(  # type: ignore[attr-defined]
+            self.param, self.state_name
+        )
+        return unscaled
+
     def target(self, param: torch.Tensor, name: str) -> torch.Tensor:
-        optimizer: Any = self.owner.optimizer
+        """Returns the tensor state ``name`` of ``param`` is read into."""
+        self.param, self.state_name = param, name
         if not self.consulted:
-            self.consulted, self.reason = True, "interrupted while consulting the adopters"
-            self.adopter, self.reason = self.call.consult()
-            self.own = self.adopter is None
-            self.serving, self.extents = self.adopter is not None, checks.held_extents(optimizer)
-            self.index = {id(p): index for index, p in enumerate(checks.params_of(optimizer))}
-        if self.serving and self.adopter is not None:
-            label = f"{name} of parameter {self.index.get(id(param))}"
+            self.consulted, self.reason = True, self.gate_reason()
+            if self.reason is None:
+                self.adopter, self.reason = consult(self, Snapshot(self.optimizer, None))
+            self.extents = checks.held_extents(self.optimizer)
+            self.index = {id(p): i for i, p in enumerate(checks.params_of(self.optimizer))}
+        if self.adopter is not None:
             try:
-                target = self.adopter.read_target(self.call.context, param, name)
-                problem = checks.read_target_problem(
-                    optimizer, param, name, target, self.extents, label
-                )
-                if problem is not None:
-                    raise ValueError(problem)
-                self.targets.append(target)
-                return target
-            except Exception as error:  # nothing is read yet: upstream's targets are right
-                self.serving, self.reason = (
-                    False,
-                    f"adopter {self.adopter.name!r} failed for {label}",
-                )
-                self.call.registry.fall_back(
-                    self.reason, error, "get_unscaled_state serves the rest"
-                )
-        unscaled: torch.Tensor = optimizer.get_unscaled_state(param, name)
+                target = self.act(self.adopter)
+                problem = self.result_problem(target, self.adopter)
+                if problem is None:
+                    self.targets.append(target)
+                    return target
+                raise ValueError(problem)
+            except Exception as error:
+                self.reason = f"adopter {self.adopter.name!r} failed for {name}"
+                self.adopter = None
+                self.registry.fall_back(self.reason, error, "get_unscaled_state serves the rest")
+        unscaled = self.own()
         self.targets.append(unscaled)
         return unscaled
 
     def finish(self, error: Optional[BaseException]) -> None:
-        if self.consulted:
-            adopter = self.adopter.name if self.adopter is not None else None
-            method = own_label(HookPoint.READ, self.call.optimizer) if self.own else None
-            self.call.finish(adopter, method, self.reason, self.targets, error)
+        """Reports the read's outcome, if an adopter was asked."""
+        if not self.consulted:
+            return
+        if self.registry.observed:
+            OutcomeRecord(self).report(
+                self.adopter, None if self.adopter else self.own_label(), self.reason,
+                self.targets, error,
+            )  # fmt: skip
+        else:
+            log(self, self.adopter, self.reason)
 
 
 _ACTIVE_READ: ContextVar[Optional[_Read]] = ContextVar("optimizer_state_read", default=None)
@@ -135,13 +245,23 @@ _ACTIVE_READ: ContextVar[Optional[_Read]] = ContextVar("optimizer_state_read", d
 
 @contextmanager
 def reading_optimizer_state(
-    owner: Any, is_loading: bool, registry: Optional[StateAdopterRegistry] = None
+    owner: "MegatronOptimizer", is_loading: bool, registry: Optional[StateAdopterRegistry] = None
 ) -> Iterator[None]:
-    """Within the block, the read targets of ``owner`` (a precision-aware
-    ``DistributedOptimizer`` building its sharded state dict) may come from the first accepting
-    adopter; nothing changes for a save (``is_loading`` False: it must write FP32)."""
+    """Lets the read targets built within the block come from the first accepting adopter.
+
+    Args:
+        owner (MegatronOptimizer): a precision-aware ``DistributedOptimizer`` building its
+            sharded state dict.
+        is_loading (bool): whether the state dict is built for a load; a save (it must write
+            FP32) changes nothing.
+        registry (StateAdopterRegistry, optional): defaults to the process-wide one.
+    """
     active = _ACTIVE_READ.get()
-    if not is_loading or (active is not None and active.owner is owner):
+    if (
+        not is_loading
+        or not adoption_enabled(owner.config)
+        or (active is not None and active.owner is owner)
+    ):
         yield
         return
     read = _Read(owner, registry)
@@ -156,32 +276,41 @@ def reading_optimizer_state(
     read.finish(None)
 
 
-def unscaled_state_or_read_target(owner: Any, param: torch.Tensor, name: str) -> torch.Tensor:
-    """The tensor state ``name`` of ``param`` is read into: within
-    :func:`reading_optimizer_state`, the accepting adopter's checked target; else upstream's
-    ``owner.optimizer.get_unscaled_state(param, name)``."""
+def unscaled_state_or_read_target(
+    owner: "MegatronOptimizer", param: torch.Tensor, name: str
+) -> torch.Tensor:
+    """Returns the tensor state ``name`` of ``param`` is read into.
+
+    Within :func:`reading_optimizer_state`, that is the accepting adopter's checked target;
+    otherwise upstream's ``owner.optimizer.get_unscaled_state(param, name)``.
+    """
     read = _ACTIVE_READ.get()
     if read is None or read.owner is not owner:
-        unscaled: torch.Tensor = owner.optimizer.get_unscaled_state(param, name)
+        unscaled: torch.Tensor = owner.optimizer.get_unscaled_state(  # type: ignore[attr-defined]
+            param, name
+        )
         return unscaled
     return read.target(param, name)
 
 
 def store_read_optimizer_state(
-    owner: Any, param: torch.Tensor, name: str, tensor: torch.Tensor
+    owner: "MegatronOptimizer", param: torch.Tensor, name: str, tensor: torch.Tensor
 ) -> None:
-    """Store what was read for state ``name`` of ``param`` as ``set_scaled_state`` would: the
-    held tensor read in place stays; a BF16 tensor of a held BF16 state's shape holds TE's cast
-    already and is copied in; anything else goes to ``owner.optimizer.set_scaled_state``.
+    """Stores what was read for state ``name`` of ``param`` as ``set_scaled_state`` would.
+
+    With adoption on, the held tensor read in place stays, and a BF16 tensor of a held BF16
+    state's shape (TE's cast already) is copied in; everything else, and everything with
+    adoption off, goes to ``owner.optimizer.set_scaled_state``.
     """
     optimizer: Any = owner.optimizer
-    entry = optimizer.state.get(param)
-    held = entry.get(name) if isinstance(entry, Mapping) else None
-    if isinstance(held, torch.Tensor):
-        held = checks.local(held)
-        if checks.same_memory(held, tensor):
-            return
-        if held.dtype == tensor.dtype == torch.bfloat16 and held.shape == tensor.shape:
-            held.copy_(tensor)
-            return
+    if adoption_enabled(owner.config):
+        entry = optimizer.state.get(param)
+        held = entry.get(name) if isinstance(entry, Mapping) else None
+        if isinstance(held, torch.Tensor):
+            held = checks.local(held)
+            if checks.same_memory(held, tensor):
+                return
+            if held.dtype == tensor.dtype == torch.bfloat16 and held.shape == tensor.shape:
+                held.copy_(tensor)
+                return
     optimizer.set_scaled_state(param, name, tensor)

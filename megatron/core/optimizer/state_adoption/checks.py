@@ -1,3 +1,5 @@
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+
 """Side-effect-free checks of incoming, installed, exported, initialized and read-target state:
 None if the rule holds, else a reason. Tensors are compared by the bytes they cover in their
 storage, so views, aliases and overlaps are found whoever holds them."""
@@ -47,7 +49,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def extent(tensor: torch.Tensor) -> Optional[Tuple[int, int, int]]:
     """(storage address, first byte, end byte) of the memory ``tensor`` covers; None if none."""
     shard = local(tensor)
-    if shard.numel() == 0 or shard.device.type == "meta":
+    if shard.layout != torch.strided or shard.numel() == 0 or shard.device.type == "meta":
         return None
     span = 1 + sum((size - 1) * abs(step) for size, step in zip(shard.shape, shard.stride()))
     start = int(shard.storage_offset()) * shard.element_size()
@@ -261,17 +263,12 @@ def same_value(installed: Any, given: Any) -> bool:
 
 
 def installed_state_problem(
-    optimizer: torch.optim.Optimizer,
-    given: Mapping[str, Any],
-    params: List[List[Any]],
-    held: Mapping[int, Mapping[str, Any]],
+    optimizer: torch.optim.Optimizer, given: Mapping[str, Any], params: List[List[Any]]
 ) -> Optional[str]:
-    """Check an install against what every loader gets right: the parameters stay in their
-    groups, which get the state dict's hyper-parameters; exactly the parameters the state dict
-    has state for get state, with its keys (None values may be left out); each tensor is the
-    incoming one or new memory shaped and placed as it, never a tensor held before (``held``, by
-    ``id(param)``) or another parameter's. (Whether incoming tensors may be kept by reference is
-    the adopter's rule: PyTorch's loader keeps them, TE's copies.)"""
+    """Check an install: the parameters stay in their groups (``params``, as before the load),
+    which get the state dict's hyper-parameters; exactly the parameters the state dict has state
+    for get state, with its keys (None values may be left out); each tensor is the incoming one
+    itself (same memory, dtype, shape and device), each other value equal to the incoming one."""
     groups, flat = optimizer.param_groups, [param for group in params for param in group]
     if [len(g["params"]) for g in groups] != [len(p) for p in params] or any(
         a is not b for g, p in zip(groups, params) for a, b in zip(g["params"], p)
@@ -282,13 +279,9 @@ def installed_state_problem(
             if key != "params" and not (key in group and same_value(group[key], value)):
                 return f"param group {index} does not have the state dict's {key}"
     known = {id(param) for param in flat}
-    if any(isinstance(key, torch.Tensor) and id(key) not in known for key in optimizer.state):
-        return "there is state for a tensor that is no parameter of the optimizer"
-    earlier = Extents()
-    for label, state in (("a tensor held before", held), ("an incoming tensor", given["state"])):
-        for value in tensors_of(state):
-            earlier.add(value, label)
-    for index, param, source in paired_state(optimizer, given):  # the parameters are as before
+    if any(id(key) not in known for key in optimizer.state):
+        return "there is state for something that is no parameter of the optimizer"
+    for index, param, source in paired_state(optimizer, given):
         entry = optimizer.state.get(param)
         if source is _MISSING or source is None:
             if entry:
@@ -298,30 +291,13 @@ def installed_state_problem(
             {k for k, v in source.items() if v is not None} <= set(entry) <= set(source)
         ):
             return f"the state of parameter {index} does not have the state dict's keys"
-        before = held.get(id(param), {})
         for key, value in entry.items():
-            reason = _installed_tensor_problem(value, source[key], before.get(key), earlier)
-            if reason is not None:
-                return f"{key} of parameter {index} {reason}"
-    return None
-
-
-def _installed_tensor_problem(
-    value: Any, source: Any, before: Any, earlier: Extents
-) -> Optional[str]:
-    """One installed tensor: the incoming one, or new memory shaped and placed like it (never
-    the one held before in its place: that would leave the incoming values unloaded)."""
-    if not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor):
-        return None
-    if same_memory(value, source):
-        return None
-    if same_memory(value, before):
-        return "is the tensor held before, not the incoming one"
-    overlapped = earlier.overlap(value)
-    if overlapped is not None:
-        return f"overlaps {overlapped} of another parameter or key"
-    if (local(value).shape, local(value).device) != (local(source).shape, local(source).device):
-        return "is not shaped and placed as the incoming tensor"
+            incoming = source[key]
+            if isinstance(incoming, torch.Tensor):
+                if not same_memory(value, incoming):
+                    return f"{key} of parameter {index} is not the incoming tensor itself"
+            elif not same_value(value, incoming):
+                return f"{key} of parameter {index} is not the incoming value"
     return None
 
 

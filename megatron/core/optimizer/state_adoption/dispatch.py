@@ -1,16 +1,30 @@
-"""The one dispatcher every hook point runs through: the gate (the config switch; a method set
-on the instance, hooks: what upstream runs), the first accepting adopter acting under a snapshot
-(restored if it raises or its result fails the check), the measurement and one outcome; else
-upstream's own code, unchanged."""
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
 
-import copy
-import enum
+"""The dispatcher every hook point runs through.
+
+With adoption switched off (``OptimizerConfig.optimizer_state_adoption``), a hook point runs
+upstream's code and nothing else. Otherwise the registered adopters are asked in order; the
+first that accepts acts, and its result is checked; if it raises or its result does not match,
+the optimizer is restored and upstream's code runs.
+"""
+
+import abc
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Dict,
+    Generic,
+    List,
+    Mapping,
+    Optional,
+    Tuple,
+    TypeVar,
+)
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 
 from megatron.core.utils import log_single_rank
 
@@ -18,205 +32,326 @@ from .adopter import AdoptionContext, StateAdopter
 from .checks import extent, local, params_of, tensors_of
 from .registry import AdoptionOutcome, StateAdopterRegistry, default_registry
 
+if TYPE_CHECKING:
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _MISSING = object()
-_DECLINE = "it counts as a decline"
+# Levels of dicts and lists below an optimizer attribute or a state dict that a snapshot keeps:
+# state -> entry -> value, param_groups -> group -> params.
+_DEPTH = 4
 
 
-class HookPoint(enum.StrEnum):
-    """Where Megatron-Core hands an inner optimizer's state to its own code."""
-
-    LOAD = "load"
-    EXPORT = "export"
-    INITIALIZE = "initialize"
-    READ = "read"
+def adoption_enabled(config: Optional["OptimizerConfig"]) -> bool:
+    """Whether ``config.optimizer_state_adoption`` is set (a config without it: yes)."""
+    return bool(getattr(config, "optimizer_state_adoption", True))
 
 
-# Per hook point: the adopters' check, a verb for the logs, and upstream's calls (set on the
-# instance, they run; so do the hooks of the first).
-GATES: Dict[HookPoint, Tuple[str, str, Tuple[str, ...]]] = {
-    HookPoint.LOAD: ("decline_reason", "installed", ("load_state_dict",)),
-    HookPoint.EXPORT: ("export_decline_reason", "exported", ("state_dict",)),
-    HookPoint.INITIALIZE: ("initialize_decline_reason", "initialized", ("step",)),
-    HookPoint.READ: (
-        "read_target_decline_reason",
-        "supplied read targets for",
-        ("get_unscaled_state", "set_scaled_state"),
-    ),
-}
+def _version(tensor: torch.Tensor) -> Optional[int]:
+    try:
+        return int(local(tensor)._version)
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
 
 
-def gate_reason(point: HookPoint, owner: Any, registry: StateAdopterRegistry) -> Optional[str]:
-    """Why the own code must run without asking any adopter, or None."""
-    if registry.switched_off is not None:
-        return registry.switched_off
-    enabled = getattr(getattr(owner, "config", None), "optimizer_state_adoption", True)
-    if enabled is not True:
-        return f"OptimizerConfig.optimizer_state_adoption is {enabled!r}"
-    optimizer, methods = owner.optimizer, GATES[point][2]
-    for method in methods:
-        if method in vars(optimizer):
-            return f"the {type(optimizer).__name__} instance has its own {method}, which upstream calls"
-    kinds = () if point is HookPoint.READ else ("pre", "post")
-    tables = [getattr(optimizer, f"_optimizer_{methods[0]}_{kind}_hooks", None) for kind in kinds]
-    if point is HookPoint.INITIALIZE:
-        tables += [getattr(torch_optimizer, f"_global_optimizer_{k}_hooks", None) for k in kinds]
-        if len(optimizer.state) > 0:
-            return "the optimizer holds state already, which the own initialization steps"
-        params = params_of(optimizer)
-        if any(getattr(p, a, None) is not None for p in params for a in ("grad", "decoupled_grad")):
-            return "a parameter has a gradient, which a step would apply"
-    if any(not isinstance(hooks, Mapping) or len(hooks) > 0 for hooks in tables):
-        return "hooks are registered (or cannot be inspected) that upstream runs"
-    return None
-
-
-def own_label(point: HookPoint, optimizer: torch.optim.Optimizer) -> str:
-    """What upstream's call resolves to, e.g. ``FusedAdam.load_state_dict``."""
-    method = GATES[point][2][0]
-    if method in vars(optimizer):
-        return f"{method} set on the {type(optimizer).__name__} instance"
-    return f"{type(optimizer).__name__}.{method}"
-
-
-def _containers(value: Any, depth: int = 5) -> List[Tuple[Any, Any]]:
-    """(container, shallow copy) of every dict and list reached within ``depth`` levels."""
-    if depth == 0 or not isinstance(value, (dict, list)):
+def _containers(value: Any, seen: Dict[int, Any], depth: int = _DEPTH) -> List[Tuple[Any, Any]]:
+    """(container, shallow copy) of ``value`` and every dict and list within ``depth`` levels."""
+    if depth == 0 or not isinstance(value, (dict, list)) or id(value) in seen:
         return []
-    items = value if isinstance(value, list) else list(value.values())
-    pairs = [(value, list(value) if isinstance(value, list) else dict(value))]
-    return pairs + [pair for item in items for pair in _containers(item, depth - 1)]
+    seen[id(value)] = value
+    copy: Any = list(value) if isinstance(value, list) else dict(value)
+    items = copy if isinstance(value, list) else list(copy.values())
+    return [(value, copy)] + [pair for item in items for pair in _containers(item, seen, depth - 1)]
 
 
 class Snapshot:
-    """Before an adopter acts: the optimizer's and the incoming dict's containers, to restore them
-    exactly (the same objects, refilled), and each tensor's version, to see writes (which nothing
-    undoes). ``params`` per group, ``held`` entries by ``id(param)``, ``given``: the dict, copied.
+    """The containers of an optimizer and of a state dict, to restore them, and tensor versions.
+
+    Only dicts and lists are copied, shallowly: tensors and other objects are kept by identity,
+    so taking a snapshot copies no data and works for any state. A write into a tensor cannot be
+    undone; it is seen by its version counter.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer; every attribute is captured.
+        state_dict (Mapping, optional): the incoming state dict, which nobody may change.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
-        self._optimizer, self._state = optimizer, optimizer.state
-        self._groups = optimizer.param_groups
-        self._containers = _containers([optimizer.state, optimizer.param_groups, state_dict])
-        self.params = [list(group["params"]) for group in optimizer.param_groups]
-        self.held = {id(key): dict(entry) for key, entry in optimizer.state.items()}
-        copies = [c if isinstance(c, list) else list(c.values()) for _, c in self._containers]
-        tensors_kept = {id(v): v for c in copies for v in c if isinstance(v, torch.Tensor)}
-        self.given = copy.deepcopy(state_dict, tensors_kept)  # its containers; tensors shared
-        tensors = tensors_of(self.held) + params_of(optimizer)
-        tensors += tensors_of(self.given.get("state") if isinstance(self.given, dict) else None)
-        self._versions = [(tensor, int(local(tensor)._version)) for tensor in tensors]
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, state_dict: Optional[Mapping[str, Any]]
+    ) -> None:
+        self._attributes = vars(optimizer)
+        self._kept = dict(self._attributes)
+        seen: Dict[int, Any] = {id(self._attributes): self._attributes}
+        self._by_attribute = {name: _containers(v, seen) for name, v in self._kept.items()}
+        self._given = _containers(state_dict, seen)
+        pairs = [pair for pairs in self._by_attribute.values() for pair in pairs] + self._given
+        tensors = [v for _, c in pairs for v in (c if isinstance(c, list) else c.values())]
+        tensors = [v for v in tensors + params_of(optimizer) if isinstance(v, torch.Tensor)]
+        self._versions = [(tensor, _version(tensor)) for tensor in tensors]
 
     def restore(self) -> None:
-        """Refill every container; put back the optimizer's ``state`` and ``param_groups``
-        attributes where PyTorch's loader replaced them."""
-        for container, copy in self._containers:
-            if isinstance(container, list):
-                container[:] = copy
-            else:
-                container.clear()
-                container.update(copy)
-        self._optimizer.state, self._optimizer.param_groups = self._state, self._groups
+        """Refills every container and puts back every attribute.
 
-    def changed(self) -> Optional[str]:
-        """What differs from the capture: a container (by identity) or a tensor's contents."""
-        optimizer = self._optimizer
-        if optimizer.state is not self._state or optimizer.param_groups is not self._groups:
-            return "it replaced the optimizer's state or param groups"
-        for container, copy in self._containers:
-            is_list = isinstance(container, list)
-            now = container if is_list else [container.get(key, _MISSING) for key in copy]
-            was = copy if is_list else list(copy.values())
-            if len(container) != len(copy) or any(a is not b for a, b in zip(now, was)):
-                return "it changed the optimizer's containers or the state dict's"
+        Raises:
+            RuntimeError: a tensor was written into, which no restore undoes.
+        """
+        for pairs in [*self._by_attribute.values(), self._given]:
+            for container, copy in pairs:
+                if isinstance(container, list):
+                    container[:] = copy
+                else:
+                    container.clear()
+                    container.update(copy)
+        self._attributes.clear()
+        self._attributes.update(self._kept)
+        written = self.written()
+        if written is not None:
+            raise RuntimeError(f"Optimizer state adoption cannot undo this: {written}")
+
+    def changed(self, changeable: Optional[Tuple[str, ...]] = ()) -> Optional[str]:
+        """Returns what differs from the capture, other than in the ``changeable`` attributes
+        (None: any attribute).
+
+        Containers are compared by the identity of their items; tensors by their versions.
+        """
+        for name in set(self._kept) | set(self._attributes):
+            if changeable is None or name in changeable:
+                continue
+            if not _same_attribute(self._attributes.get(name, _MISSING), self._kept.get(name, _MISSING)):
+                return f"it replaced the optimizer's attribute {name!r}"
+            if _differ(self._by_attribute.get(name, [])):
+                return f"it changed the optimizer's {name!r}"
+        if _differ(self._given):
+            return "it changed the incoming state dict"
         return self.written()
 
     def written(self) -> Optional[str]:
-        """That a tensor was written into since the capture, or None."""
-        count = sum(int(local(tensor)._version) != version for tensor, version in self._versions)
+        """Returns that a tensor was written into since the capture, or None."""
+        count = sum(_version(tensor) != version for tensor, version in self._versions)
         if count == 0:
             return None
-        return f"it wrote into {count} tensor(s) of the state, parameters or state dict"
+        return f"it wrote into {count} tensor(s) of the optimizer, its parameters or the state dict"
 
 
-class Call:
-    """One call at a hook point: its context, the adopters' declines, and one outcome."""
+def _same_attribute(now: Any, was: Any) -> bool:
+    """The same object, or an equal plain value (PyTorch's loader renews a profiling name)."""
+    plain = (str, int, float, bool, bytes, torch.dtype)
+    return now is was or (type(now) is type(was) and isinstance(now, plain) and now == was)
+
+
+def _differ(pairs: List[Tuple[Any, Any]]) -> bool:
+    for container, copy in pairs:
+        if len(container) != len(copy):
+            return True
+        now = container if isinstance(container, list) else [container.get(k, _MISSING) for k in copy]
+        was = copy if isinstance(copy, list) else list(copy.values())
+        if any(a is not b for a, b in zip(now, was)):
+            return True
+    return False
+
+
+class HookPoint(abc.ABC, Generic[T]):
+    """One place where Megatron-Core hands an inner optimizer's state to the optimizer's code.
+
+    A subclass names the method upstream calls there and says what the adopters are asked, what
+    the accepting one does, how its result is checked, and what upstream runs instead.
+
+    Args:
+        owner (MegatronOptimizer): the Megatron optimizer whose inner optimizer is served.
+        registry (StateAdopterRegistry, optional): defaults to the process-wide one.
+        state_dict (Mapping, optional): a load's incoming state dict.
+        owns_state_dict (bool): the call site built ``state_dict`` and its tensors.
+    """
+
+    #: ``AdoptionOutcome.hook_point``.
+    name: ClassVar[str]
+    #: What an adopter did, for the logs, e.g. ``"installed"``.
+    verb: ClassVar[str]
+    #: The inner optimizer's method upstream calls here. If the instance overrides it, or hooks
+    #: are registered for it, upstream's code runs.
+    upstream_method: ClassVar[str]
+    #: Attributes of the inner optimizer the action may change (see Snapshot.changed); None:
+    #: any, for an action that is the inner optimizer's own method.
+    changeable: ClassVar[Optional[Tuple[str, ...]]] = ()
 
     def __init__(
-        self, point: HookPoint, owner: Any, registry: Optional[StateAdopterRegistry], **fields: Any
-    ) -> None:
-        self.point, self.owner, self.optimizer = point, owner, owner.optimizer
-        self.registry = default_registry() if registry is None else registry
-        self.context = AdoptionContext.for_owner(owner, **fields)
-        given = self.context.state_dict
-        states = (self.optimizer.state, given.get("state") if isinstance(given, Mapping) else None)
-        # The storages before the call, held weakly: the call may free one and reuse its address.
-        places = [(weakref.ref(t), extent(t)) for state in states for t in tensors_of(state)]
-        self._storages = [(tensor, place[0]) for tensor, place in places if place is not None]
-        self.declines: List[Tuple[str, str]] = []
-        self.finished = False
-
-    def consult(self) -> Tuple[Optional[StateAdopter], Optional[str]]:
-        """The first adopter whose check accepts, or None and why none. A check that raises,
-        answers nonsense or changes containers (undone) declines; one that writes raises.
-        """
-        reason = gate_reason(self.point, self.owner, self.registry)
-        if reason is not None:
-            return None, reason
-        fall_back = self.registry.fall_back
-        for adopter, _ in self.registry.registrations():
-            before = Snapshot(self.optimizer, self.context.state_dict)
-            try:
-                decline = getattr(adopter, GATES[self.point][0])(self.context)
-            except Exception as error:
-                decline = f"its check raised {type(error).__name__}: {error}"
-                fall_back(f"adopter {adopter.name!r} raised in its check", error, _DECLINE)
-            if before.changed() is not None:
-                before.restore()
-                if before.written() is not None:
-                    raise RuntimeError(f"adopter {adopter.name!r} wrote into tensors in its check")
-                fall_back(
-                    f"adopter {adopter.name!r} changed the optimizer in its check", None, _DECLINE
-                )
-                decline = "its check changed the optimizer"
-            if decline is None:
-                return adopter, None
-            if not isinstance(decline, str):
-                fall_back(
-                    f"adopter {adopter.name!r} answered {decline!r} in its check", None, _DECLINE
-                )
-                decline = f"its check returned a {type(decline).__name__}"
-            self.declines.append((adopter.name, decline))
-        return None, ("every adopter declined" if self.declines else "no adopter is registered")
-
-    def finish(
         self,
-        adopter: Optional[str],
+        owner: "MegatronOptimizer",
+        registry: Optional[StateAdopterRegistry] = None,
+        state_dict: Optional[Mapping[str, Any]] = None,
+        owns_state_dict: bool = False,
+    ) -> None:
+        self.optimizer: torch.optim.Optimizer = owner.optimizer
+        self.registry = default_registry() if registry is None else registry
+        self.context = AdoptionContext.for_owner(owner, state_dict, owns_state_dict)
+        self.declines: List[Tuple[str, str]] = []
+
+    @abc.abstractmethod
+    def decline_reason(self, adopter: StateAdopter) -> Optional[str]:
+        """Returns ``adopter``'s check of this call: None to accept, else why it declines."""
+
+    @abc.abstractmethod
+    def act(self, adopter: StateAdopter) -> T:
+        """Returns the result of the accepting ``adopter``'s action."""
+
+    @abc.abstractmethod
+    def result_problem(self, result: T, adopter: StateAdopter) -> Optional[str]:
+        """Returns how the action's ``result`` differs from what upstream's code gives, or None."""
+
+    @abc.abstractmethod
+    def own(self) -> T:
+        """Returns the result of upstream's code."""
+
+    def own_label(self) -> str:
+        """Returns what upstream's call resolves to, e.g. ``"FusedAdam.load_state_dict"``."""
+        return f"{type(self.optimizer).__name__}.{self.upstream_method}"
+
+    def result_state(self, result: T) -> Any:
+        """Returns the state an outcome measures: by default the inner optimizer's."""
+        return self.optimizer.state
+
+    def gate_reason(self) -> Optional[str]:
+        """Returns why upstream's code runs without asking an adopter, or None."""
+        method, optimizer = self.upstream_method, self.optimizer
+        if method in vars(optimizer):
+            return f"the {type(optimizer).__name__} instance has its own {method}"
+        for kind in ("pre", "post"):
+            hooks = getattr(optimizer, f"_optimizer_{method}_{kind}_hooks", {})
+            if not isinstance(hooks, Mapping) or len(hooks) > 0:
+                return f"{kind}-hooks of {method} are registered, which upstream runs"
+        return None
+
+
+def consult(point: HookPoint[Any], snapshot: Snapshot) -> Tuple[Optional[StateAdopter], str]:
+    """Returns the first adopter whose check accepts, or None and why none does.
+
+    A check that raises or returns no string declines. One that changes the optimizer or the
+    state dict is undone and declines; one that writes into a tensor raises ``RuntimeError``.
+    """
+    adopters = point.registry.adopters()
+    for adopter in adopters:
+        failure: Optional[BaseException] = None
+        broken = True  # the check broke its contract: a fallback, not a plain decline
+        try:
+            answer: Any = point.decline_reason(adopter)
+            decline, broken = answer, False
+        except Exception as error:
+            decline, failure = f"its check raised {type(error).__name__}: {error}", error
+        except BaseException:
+            snapshot.restore()
+            raise
+        changed = snapshot.changed()
+        if changed is not None:
+            snapshot.restore()
+            decline, broken = f"its check changed the optimizer: {changed}", True
+        elif decline is not None and not isinstance(decline, str):
+            decline, broken = f"its check returned {decline!r}, not a reason", True
+        if decline is None:
+            return adopter, ""
+        point.declines.append((adopter.name, decline))
+        if broken:
+            point.registry.fall_back(f"adopter {adopter.name!r}: {decline}", failure, "it declines")
+    return None, "every adopter declined" if adopters else "no adopter is registered"
+
+
+def attempt(point: HookPoint[T], adopter: StateAdopter, snapshot: Snapshot) -> Tuple[bool, Any]:
+    """Returns (True, result) of ``adopter``'s checked action, or (False, None) once undone."""
+    try:
+        result = point.act(adopter)
+        changeable = point.changeable
+        if changeable is not None:
+            changeable += adopter.installed_attributes
+        problem = snapshot.changed(changeable) or point.result_problem(result, adopter)
+        if problem is None:
+            return True, result
+        error: BaseException = ValueError(f"its result does not match: {problem}")
+    except Exception as raised:
+        error = raised
+    except BaseException:
+        snapshot.restore()
+        raise
+    snapshot.restore()
+    instead = f"the own code runs for {describe(point.optimizer)}"
+    point.registry.fall_back(f"adopter {adopter.name!r} failed and was undone", error, instead)
+    return False, None
+
+
+def run(point: HookPoint[T]) -> T:
+    """Returns the accepting adopter's checked result, or else upstream's (``point.own()``)."""
+    if not adoption_enabled(point.context.config):
+        return point.own()
+    record = OutcomeRecord(point) if point.registry.observed else None
+    adopter: Optional[StateAdopter] = None
+    reason = point.gate_reason()
+    method: Optional[str] = None
+    result: Any = None
+    try:
+        if reason is None:
+            snapshot = Snapshot(point.optimizer, point.context.state_dict)
+            adopter, reason = consult(point, snapshot)
+            if adopter is not None:
+                done, result = attempt(point, adopter, snapshot)
+                if not done:
+                    adopter, reason = None, f"adopter {adopter.name!r} failed and was undone"
+        if adopter is None:
+            method = point.own_label()
+            result = point.own()
+    except BaseException as error:
+        if record is not None:
+            record.report(None, method, reason, error=error)
+        raise
+    if record is not None:
+        record.report(adopter, method, reason or None, point.result_state(result))
+    else:
+        log(point, adopter, reason)
+    return result
+
+
+class OutcomeRecord:
+    """Measures and reports one call's outcome: created before the call, for the storages that
+    existed then (held weakly: the call may free one and reuse its address)."""
+
+    def __init__(self, point: HookPoint[Any]) -> None:
+        self.point = point
+        given = point.context.state_dict
+        states = (point.optimizer.state, given.get("state") if isinstance(given, Mapping) else None)
+        places = [(weakref.ref(t), extent(t)) for state in states for t in tensors_of(state)]
+        self._storages = [(ref, place[0]) for ref, place in places if place is not None]
+
+    def report(
+        self,
+        adopter: Optional[StateAdopter],
         method: Optional[str],
         reason: Optional[str],
-        result: Any = None,
+        state: Any = None,
         error: Optional[BaseException] = None,
     ) -> None:
-        """Measure ``result`` (a state mapping or tensors), log the outcome and report it, once."""
-        if self.finished:
-            return
-        self.finished = True
-        reused, allocated = (0, 0) if error is not None else self.measure(result)
-        failure = None if error is None else f"{type(error).__name__}: {error}"
+        reused, allocated = (0, 0) if error is not None else self.measure(state)
         outcome = AdoptionOutcome(
-            self.point.value, describe(self.optimizer), adopter, method, reused, allocated,
-            tuple(self.declines), reason, failure,
-        )  # fmt: skip
-        log(outcome, GATES[self.point][1])
-        self.registry.report(outcome)
+            hook_point=self.point.name,
+            optimizer=describe(self.point.optimizer),
+            adopter=None if adopter is None else adopter.name,
+            method=method,
+            reused_bytes=reused,
+            allocated_bytes=allocated,
+            declines=tuple(self.point.declines),
+            fallback_reason=reason if adopter is None else None,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+        )
+        log(self.point, adopter, reason, outcome)
+        self.point.registry.report(outcome)
 
     def measure(self, state: Any) -> Tuple[int, int]:
-        """(bytes in storage alive since before the call, in new storage) of ``state``; each
-        storage counted once, by the bytes its tensors span."""
-        kept = [(storage, ref()) for ref, storage in self._storages]
-        alive = {s for s, t in kept if t is not None and (extent(t) or (0,))[0] == s}
+        """Returns the bytes of ``state`` in storage that existed before the call, and in new
+        storage; each storage counted once, by the bytes its tensors span."""
+        alive = set()
+        for ref, storage in self._storages:
+            tensor = ref()
+            if tensor is not None and (extent(tensor) or (0,))[0] == storage:
+                alive.add(storage)
         spans: Dict[int, List[Tuple[int, int]]] = {}
         for place in filter(None, map(extent, tensors_of(state))):
             spans.setdefault(place[0], []).append(place[1:])
@@ -229,90 +364,39 @@ class Call:
         return counts[0], counts[1]
 
 
-def run(
-    point: HookPoint,
-    owner: Any,
-    attempt: Callable[[StateAdopter, AdoptionContext], T],
-    verify: Callable[[T, Snapshot], Optional[str]],
-    own: Callable[[], T],
-    *,
-    own_name: Optional[str] = None,
-    registry: Optional[StateAdopterRegistry] = None,
-    **fields: Any,
-) -> T:
-    """The first accepting adopter's ``attempt`` if ``verify`` (against the own code's result)
-    finds nothing wrong with it, else upstream's ``own()`` (named ``own_name`` in the outcome);
-    ``fields`` complete the adopters' context (a load's state dict)."""
-    call = Call(point, owner, registry, **fields)
-    method: Optional[str] = None
-    reason: Optional[str] = "interrupted while consulting the adopters"
-
-    def measured(result: Any) -> Any:
-        if point is not HookPoint.EXPORT:
-            return call.optimizer.state
-        return result.get("state") if isinstance(result, Mapping) else None
-
-    try:
-        adopter, reason = call.consult()
-        if adopter is not None:
-            before = Snapshot(call.optimizer, call.context.state_dict)
-            try:
-                result = attempt(adopter, call.context)
-                reason = verify(result, before)
-                if reason is None:
-                    call.finish(adopter.name, None, None, measured(result))
-                    return result
-                raise ValueError(f"its result does not match: {reason}")
-            except Exception as error:
-                before.restore()
-                if before.written() is not None:  # no restore undoes that: never go on wrong
-                    raise RuntimeError(
-                        f"adopter {adopter.name!r} failed after {before.written()}"
-                    ) from error
-                reason = f"adopter {adopter.name!r} failed and was undone"
-                instead = f"the own code runs for {describe(call.optimizer)}"
-                call.registry.fall_back(reason, error, instead)
-            except BaseException:
-                before.restore()
-                raise
-        method = own_name or own_label(point, call.optimizer)
-        own_result = own()
-        call.finish(None, method, reason, measured(own_result))
-        return own_result
-    except BaseException as error:
-        call.finish(None, method, reason, error=error)
-        raise
-
-
 def describe(optimizer: torch.optim.Optimizer) -> str:
-    """Name an inner optimizer so that a ChainedOptimizer's optimizers differ in the logs."""
+    """Names an inner optimizer so that a ChainedOptimizer's optimizers differ in the logs."""
     params = params_of(optimizer)
     elements = sum(local(p).numel() for p in params)
-    return f"{type(optimizer).__name__} {id(optimizer):#x} ({len(params)} params, {elements:,} elements)"
+    name = type(optimizer).__name__
+    return f"{name} {id(optimizer):#x} ({len(params)} params, {elements:,} elements)"
+
+
+def log(
+    point: HookPoint[Any],
+    adopter: Optional[StateAdopter],
+    reason: Optional[str],
+    outcome: Optional[AdoptionOutcome] = None,
+) -> None:
+    """Logs an adoption at INFO on rank 0; declines and plain calls at DEBUG; errors warn."""
+    if outcome is not None and outcome.error is not None:
+        logger.warning(f"Optimizer state {point.name} of {outcome.optimizer} raised: {outcome.error}")
+        return
+    level = logging.INFO if adopter is not None else logging.DEBUG
+    if not logger.isEnabledFor(level):
+        return
+    what = describe(point.optimizer)
+    sizes = ""
+    if outcome is not None:
+        sizes = f": {_size(outcome.reused_bytes)} by reference, "
+        sizes += f"{_size(outcome.allocated_bytes)} newly allocated"
+    if adopter is not None:
+        message = f"Optimizer state adopter {adopter.name!r} {point.verb} the state of {what}{sizes}"
+    else:
+        declines = "; ".join(f"{name!r}: {why}" for name, why in point.declines)
+        message = f"{point.own_label()} ran for {what} ({reason}{'; ' if declines else ''}{declines})"
+    log_single_rank(logger, level, message)
 
 
 def _size(count: int) -> str:
     return f"{count:,} B" if count < 2**20 else f"{count / 2**20:,.1f} MiB"
-
-
-def log(outcome: AdoptionOutcome, verb: str) -> None:
-    """Declines at debug and the result at info on rank 0; errors on every rank."""
-    for name, reason in outcome.declines:
-        message = f"Optimizer state adopter {name!r} declined: {reason}"
-        log_single_rank(logger, logging.DEBUG, message)
-    sizes = f"{_size(outcome.reused_bytes)} by reference, {_size(outcome.allocated_bytes)} newly allocated"
-    what = f"the state of {outcome.optimizer}"
-    if outcome.error is not None:
-        logger.warning(
-            f"Optimizer state {outcome.hook_point} of {outcome.optimizer} raised: {outcome.error}"
-        )
-    elif outcome.adopter is not None:
-        message = f"Optimizer state adopter {outcome.adopter!r} {verb} {what}: {sizes}"
-        log_single_rank(logger, logging.INFO, message)
-        if outcome.allocated_bytes > 0 and outcome.hook_point in ("load", "export"):
-            logger.warning(f"{message}: new memory instead of the tensors it was given")
-    else:
-        message = f"{outcome.method} {verb} {what} ({outcome.fallback_reason}): {sizes}"
-        log_single_rank(
-            logger, logging.INFO if outcome.hook_point == "load" else logging.DEBUG, message
-        )

@@ -1,3 +1,5 @@
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+
 """The adopters of Transformer Engine FusedAdam's state, whose loader (TE 1.13 to 2.20,
 docs/te-releases.md) runs PyTorch's, then allocates every state anew and copies the incoming one
 in while the caller still holds it. Each declines what it cannot prove equal to TE's result:
@@ -8,7 +10,7 @@ in while the caller still holds it. Each declines what it cannot prove equal to 
 import sys
 from dataclasses import replace
 from functools import partial
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from packaging.version import InvalidVersion, Version
@@ -25,8 +27,7 @@ _STATE_METHODS = tuple(
     "get_unscaled_state _apply_scale".split()
 )
 _FIRST_KNOWN, _FIRST_WITH_REMAINDERS = Version("1.13.0.dev0"), Version("2.1.0.dev0")
-#: Elements converted at a time: bounds the transient of a BF16 store (an FP32 and a BF16 copy
-#: of one chunk) to 6 MiB.
+#: Elements checked for NaN at a time: bounds the check's transient to 1 MiB.
 STORE_CHUNK_ELEMENTS = 1 << 20
 
 
@@ -145,45 +146,45 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
 class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
     """Installs MCore's scaffold by reference (TE's scales of one), exports the held tensors,
     offers the held BF16 moments as read targets (``torch_dist`` casts into them as TE's
-    ``copy_(fp32.bfloat16())``), keeps the held state handed back, converted as TE converts it.
-    Opt-in: register it, or install a plugin whose entry point names it."""
+    ``copy_(fp32.bfloat16())``) and keeps the held state handed back. BF16 state holding a NaN
+    declines (TE's loader makes it canonical). Opt-in: register it, or install a plugin whose
+    entry point names it."""
 
     name = "te_fused_adam_precision_aware"
     precision_aware = True
+    installed_attributes = ("_scales",)
 
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a payload to store into the held state, or a scaffold to install."""
         reason = self._mode_problem(context, _bf16_settings_problem)
-        payload = reason or self._payload_problem(context)
-        if payload is None:
-            return None
-        expected = partial(_expected, context.optimizer)
-        scaffold = reason or checks.incoming_state_problem(context, self._param_problem, expected)
-        if scaffold is None:
-            return None
-        return reason or f"no payload ({payload}), no scaffold ({scaffold})"
+        if reason is not None:
+            return reason
+        payload = self._payload_problem(context)
+        scaffold = None
+        if payload is not None:
+            expected = partial(_expected, context.optimizer)
+            scaffold = checks.incoming_state_problem(context, self._param_problem, expected)
+        if scaffold is not None:
+            return f"no payload ({payload}), no scaffold ({scaffold})"
+        assert context.state_dict is not None
+        return _nan_problem(checks.tensors_of(context.state_dict["state"]))
 
     def adopt(self, context: AdoptionContext) -> None:
-        """Install the scaffold by reference, or store the payload into the held tensors."""
+        """Install the scaffold by reference, or keep the held state handed back (the payload:
+        each incoming tensor is the held one), with TE's scales of one."""
         optimizer: Any = context.optimizer
         assert context.state_dict is not None
         pairs = list(checks.paired_state(optimizer, context.state_dict))
-        payload = self._payload_problem(context) is None
-        held = {id(param): optimizer.state.get(param) for _, param, _ in pairs}
+        held = {id(param): optimizer.state.get(param, {}) for _, param, _ in pairs}
         # PyTorch's loader would cast master weights to the BF16 parameters' dtype: groups only.
         torch.optim.Optimizer.load_state_dict(
             optimizer, {"state": {}, "param_groups": list(context.state_dict["param_groups"])}
         )
         for _, param, incoming in pairs:
-            if payload:
-                optimizer.state[param] = held[id(param)]
-                for value in held[id(param)].values():
-                    _convert_as_te_loads(value)
-                continue
             optimizer.state[param] = dict(incoming)
             for key, value in incoming.items():  # TE gives every non-FP32 state a scale of one
-                _convert_as_te_loads(value)
-                if optimizer.name_to_dtype_map[key] != torch.float32:
+                kept = value is held[id(param)].get(key)  # the payload keeps its checked scales
+                if optimizer.name_to_dtype_map[key] != torch.float32 and not kept:
                     scale = torch.ones([1], dtype=torch.float32, device=param.device)
                     optimizer._scales.setdefault(param, {})[key] = scale
 
@@ -228,12 +229,17 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         )
         if reason is not None:
             return f"the held state: {reason.replace('incoming ', '')}"
+        scales = []
         for index, param in enumerate(checks.params_of(optimizer)):
             for key, dtype in _expected(optimizer, param).items():
                 scale = optimizer._scales.get(param, {}).get(key)
-                one = isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.item() == 1
-                if dtype == torch.bfloat16 and not one:
-                    return f"parameter {index}: the scale of held {key} is not one"
+                if dtype != torch.bfloat16:
+                    continue
+                if not (isinstance(scale, torch.Tensor) and scale.numel() == 1):
+                    return f"parameter {index}: held {key} has no scale"
+                scales.append(scale.reshape(1).float())
+        if scales and not bool(torch.cat([s.to(scales[0].device) for s in scales]).eq(1).all()):
+            return "a scale of the held BF16 state is not one"
         return None
 
     def _payload_problem(self, context: AdoptionContext) -> Optional[str]:
@@ -265,11 +271,18 @@ def _expected(optimizer: Any, param: torch.Tensor) -> checks.ExpectedState:
     return expected
 
 
-def _convert_as_te_loads(held: torch.Tensor) -> None:
-    """Convert a held BF16 state in place as TE's loader converts it, ``.float().bfloat16()``
-    (NaNs made canonical), in chunks; a state of another dtype stays as it is."""
-    if held.dtype == torch.bfloat16:
-        flat = held.reshape(-1)
+def _nan_problem(tensors: List[torch.Tensor]) -> Optional[str]:
+    """Decline BF16 state holding a NaN, which TE's loader makes canonical (``.float().bfloat16()``
+    changes nothing else): one synchronization for all tensors, in chunks of
+    :data:`STORE_CHUNK_ELEMENTS` elements."""
+    found: Optional[torch.Tensor] = None
+    for tensor in tensors:
+        if tensor.dtype != torch.bfloat16:
+            continue
+        flat = checks.local(tensor).reshape(-1)
         for start in range(0, flat.numel(), STORE_CHUNK_ELEMENTS):
-            chunk = flat[start : start + STORE_CHUNK_ELEMENTS]
-            chunk.copy_(chunk.float().bfloat16())
+            chunk = flat[start : start + STORE_CHUNK_ELEMENTS].isnan().any().reshape(1)
+            found = chunk if found is None else found.logical_or_(chunk.to(found.device))
+    if found is not None and bool(found.item()):
+        return "the incoming BF16 state holds a NaN, which TE's loader makes canonical"
+    return None
