@@ -20,7 +20,7 @@ from typing import Final
 FP32_MOMENT_PAIR_BYTES: Final = 8
 
 #: The state adopters the ``+stateadoption`` build registers by itself (no plugin installed).
-DEFAULT_ADOPTERS: Final[tuple[str, ...]] = ("te_fused_adam_fp32",)
+DEFAULT_ADOPTERS: Final[tuple[str, ...]] = ("te_fused_adam_fp32", "te_fused_adam_bf16")
 
 _GPT: Final = (
     "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",

@@ -94,13 +94,12 @@ def _default_registry() -> Any | None:
 
 
 def registered_adopter_names() -> list[str] | None:
-    """Names of the process-wide registry's adopters, in the order they are tried (plugins
-    only once Megatron-Core has constructed an optimizer, which loads them); None without a
-    state-adoption subsystem."""
+    """Names of the process-wide registry's adopters, in the order they are tried (the installed
+    plugins loaded); None without a state-adoption subsystem."""
     registry = _default_registry()
     if registry is None:
         return None
-    return [str(adopter.name) for adopter, _handle in registry.registrations()]
+    return [str(adopter.name) for adopter in registry.adopters()]
 
 
 def has_outcome_hooks() -> bool:

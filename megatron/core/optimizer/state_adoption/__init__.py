@@ -4,10 +4,16 @@
 
 Where Megatron-Core hands loaded state to an inner optimizer (the call-site functions below),
 the first registered :class:`StateAdopter` that accepts acts in place of the inner optimizer's
-own code. Registered: ``te_fused_adam_fp32``, which installs Transformer Engine FusedAdam's FP32
-moments by reference, not as a second copy (8 bytes per parameter at the load peak); opt-in:
-:class:`TEFusedAdamPrecisionAwareStateAdopter`. ``OptimizerConfig.optimizer_state_adoption``
-switches adoption off.
+own code. Megatron-Core registers two:
+
+- ``te_fused_adam_fp32`` installs Transformer Engine FusedAdam's FP32 moments by reference, not
+  as a second copy (8 bytes per parameter at the load peak);
+- ``te_fused_adam_bf16`` (:class:`TEFusedAdamPrecisionAwareStateAdopter`) does the same for the
+  precision-aware optimizer's BF16 moments where
+  ``OptimizerConfig.precision_aware_optimizer_state_adoption`` opts in.
+
+``OptimizerConfig.optimizer_state_adoption = False`` switches adoption off: every call site then
+runs upstream's code and nothing else.
 """
 
 from .adopter import AdoptionContext, StateAdopter
@@ -38,3 +44,6 @@ __all__ = [
 ]
 
 default_registry().register(TEFusedAdamFP32StateAdopter())
+default_registry().register(
+    TEFusedAdamPrecisionAwareStateAdopter(name="te_fused_adam_bf16", requires_config_opt_in=True)
+)

@@ -286,9 +286,7 @@ def unscaled_state_or_read_target(
     """
     read = _ACTIVE_READ.get()
     if read is None or read.owner is not owner:
-        unscaled: torch.Tensor = owner.optimizer.get_unscaled_state(  # type: ignore[attr-defined]
-            param, name
-        )
+        unscaled: torch.Tensor = owner.optimizer.get_unscaled_state(param, name)
         return unscaled
     return read.target(param, name)
 

@@ -22,6 +22,7 @@ from typing import (
     Optional,
     Tuple,
     TypeVar,
+    cast,
 )
 
 import torch
@@ -291,11 +292,12 @@ def run(point: HookPoint[T]) -> T:
     try:
         if reason is None:
             snapshot = Snapshot(point.optimizer, point.context.state_dict)
-            adopter, reason = consult(point, snapshot)
-            if adopter is not None:
-                done, result = attempt(point, adopter, snapshot)
+            accepting, reason = consult(point, snapshot)
+            if accepting is not None:
+                done, result = attempt(point, accepting, snapshot)
+                adopter = accepting if done else None
                 if not done:
-                    adopter, reason = None, f"adopter {adopter.name!r} failed and was undone"
+                    reason = f"adopter {accepting.name!r} failed and was undone"
         if adopter is None:
             method = point.own_label()
             result = point.own()
@@ -307,7 +309,7 @@ def run(point: HookPoint[T]) -> T:
         record.report(adopter, method, reason or None, point.result_state(result))
     else:
         log(point, adopter, reason)
-    return result
+    return cast(T, result)
 
 
 class OutcomeRecord:

@@ -174,11 +174,11 @@ class StateAdopterRegistry:
                 self.register(entry_point.load()())
             except Exception as error:  # a plugin must not break checkpoint loading
                 failures.append((entry_point, error))
-        for entry_point, error in failures:
+        for entry_point, failure in failures:
             dist = getattr(entry_point, "dist", None)
             origin = f"{entry_point.name} = {entry_point.value}"
             origin += f" ({dist.name} {dist.version})" if dist is not None else ""
-            self.fall_back(f"the plugin {origin} failed", error, "it is skipped")
+            self.fall_back(f"the plugin {origin} failed", failure, "it is skipped")
 
 
 def _add(entries: "OrderedDict[int, Any]", entry: Any, prepend: bool) -> RemovableHandle:

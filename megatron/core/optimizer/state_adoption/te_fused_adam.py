@@ -147,16 +147,44 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
     """Installs MCore's scaffold by reference (TE's scales of one), exports the held tensors,
     offers the held BF16 moments as read targets (``torch_dist`` casts into them as TE's
     ``copy_(fp32.bfloat16())``) and keeps the held state handed back. BF16 state holding a NaN
-    declines (TE's loader makes it canonical). Opt-in: register it, or install a plugin whose
-    entry point names it."""
+    declines (TE's loader makes it canonical).
 
-    name = "te_fused_adam_precision_aware"
+    Opt-in. Megatron-Core registers one as ``te_fused_adam_bf16``, which acts where
+    ``OptimizerConfig.precision_aware_optimizer_state_adoption`` is set. An instance made
+    without ``requires_config_opt_in`` needs no config field: that is how a launcher that
+    cannot set the field opts in, e.g. a plugin whose entry point names this class.
+
+    Args:
+        fused_adam_class (type, optional): the FusedAdam class (a stand-in in CPU tests).
+        device_type (str): the device type of every parameter and state tensor.
+        te_version (str, optional): the TE release; default ``get_te_version()``.
+        name (str): the adopter's name.
+        requires_config_opt_in (bool): act only where the owner's config opts in.
+    """
+
     precision_aware = True
     installed_attributes = ("_scales",)
 
+    def __init__(
+        self,
+        fused_adam_class: Optional[type] = None,
+        device_type: str = "cuda",
+        te_version: Optional[str] = None,
+        *,
+        name: str = "te_fused_adam_precision_aware",
+        requires_config_opt_in: bool = False,
+    ) -> None:
+        super().__init__(fused_adam_class, device_type, te_version)
+        self._name, self._requires_config_opt_in = name, requires_config_opt_in
+
+    @property
+    def name(self) -> str:
+        """The adopter's name."""
+        return self._name
+
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a payload to store into the held state, or a scaffold to install."""
-        reason = self._mode_problem(context, _bf16_settings_problem)
+        reason = self._opt_in_problem(context) or self._mode_problem(context, _bf16_settings_problem)
         if reason is not None:
             return reason
         payload = self._payload_problem(context)
@@ -190,7 +218,11 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a held state laid out as TE's loader leaves it, with scales of one."""
-        return self._mode_problem(context, _bf16_settings_problem) or self._held_problem(context)
+        return (
+            self._opt_in_problem(context)
+            or self._mode_problem(context, _bf16_settings_problem)
+            or self._held_problem(context)
+        )
 
     def export_state_dict(self, context: AdoptionContext) -> Dict[str, Any]:
         """PyTorch's state dict of the FusedAdam: its groups and the held tensors themselves."""
@@ -209,6 +241,12 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         if name in MOMENT_KEYS:
             return optimizer.state[param][name]  # type: ignore[no-any-return]
         return optimizer.get_unscaled_state(param, name)  # type: ignore[no-any-return]
+
+    def _opt_in_problem(self, context: AdoptionContext) -> Optional[str]:
+        field = "precision_aware_optimizer_state_adoption"
+        if self._requires_config_opt_in and not getattr(context.config, field, False):
+            return f"OptimizerConfig.{field} is not set"
+        return None
 
     def _param_problem(self, param: torch.Tensor) -> Optional[str]:
         """Plain floating-point parameters on the device type."""
