@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from megatron.core.optimizer.state_adoption import AdoptionContext
 from megatron.core.optimizer.state_adoption.checks import (
     Extents,
+    extent,
     exported_state_problem,
     held_extents,
     incoming_state_problem,
@@ -279,10 +280,9 @@ def _install(install: Callable[[torch.optim.Optimizer, Dict[str, Any]], Any], pr
     if prepare is not None:
         prepare(given)
     params = [list(group["params"]) for group in optimizer.param_groups]
-    held = {id(p): dict(entry) for p, entry in optimizer.state.items()}
     snapshot = dict(given, state={k: dict(v) for k, v in given["state"].items()})
     install(optimizer, given)
-    return installed_state_problem(optimizer, snapshot, params, held)
+    return installed_state_problem(optimizer, snapshot, params)
 
 
 def _pytorch(optimizer: torch.optim.Optimizer, given: Dict[str, Any]) -> None:
@@ -329,7 +329,7 @@ def _nested(given: Dict[str, Any]) -> None:
 
 
 MB = "momentum_buffer of parameter"
-OTHERS = "of another parameter or key"
+ITSELF = "is not the incoming tensor itself"
 
 
 def _C(install: Any, reason: Optional[str], name: str, **options: Any) -> Any:
@@ -341,11 +341,15 @@ INSTALLS = [
     # keeps them, TE's copies), incoming_state_problem's, tested above
     _C(_pytorch, None, "PyTorch's loader"),
     _C(_pytorch, None, "the held tensors handed back", holds=True, handed_back=True),
-    _C(_copies, None, "new memory like the incoming"),
-    _C(_buffer(1, lambda o, g: torch.zeros(6)), f"{MB} 1 is not shaped and placed as the incoming tensor",
-       "new memory of another shape"),
-    _C(_buffer(1, lambda o, g: torch.zeros(2, 3, device="meta")),
-       f"{MB} 1 is not shaped and placed as the incoming tensor", "new memory elsewhere"),
+    # an install keeps the incoming tensors themselves: copies (TE's loader) are not adoption
+    _C(_copies, f"{MB} 0 {ITSELF}", "new memory like the incoming"),
+    _C(_buffer(1, lambda o, g: torch.zeros(6)), f"{MB} 1 {ITSELF}", "new memory of another shape"),
+    _C(_buffer(1, lambda o, g: torch.zeros(2, 3, device="meta")), f"{MB} 1 {ITSELF}",
+       "new memory elsewhere"),
+    _C(_buffer(1, lambda o, g: g["state"][1]["momentum_buffer"].bfloat16()), f"{MB} 1 {ITSELF}",
+       "a BF16 copy"),
+    _C(_buffer(1, lambda o, g: torch.zeros_like(g["state"][1]["momentum_buffer"])), f"{MB} 1 {ITSELF}",
+       "zeros instead of the checkpoint's values"),
     _C(_then(lambda o, g: o.param_groups[0]["params"].append(torch.zeros(1))),
        "the param groups do not hold the optimizer's parameters", "a parameter added"),
     _C(_then(lambda o, g: o.param_groups[1]["params"].__setitem__(0, torch.zeros(6))),
@@ -355,7 +359,7 @@ INSTALLS = [
     _C(_then(lambda o, g: o.param_groups[0].pop("momentum")), "param group 0 does not have the state dict's momentum",
        "a hyper-parameter missing"),
     _C(_then(lambda o, g: o.state.__setitem__(torch.zeros(1), {})),
-       "there is state for a tensor that is no parameter of the optimizer", "state for no parameter"),
+       "there is state for something that is no parameter of the optimizer", "state for no parameter"),
     _C(_then(lambda o, g: o.state.__setitem__(params_of(o)[2], {"momentum_buffer": torch.zeros(6)})),
        "parameter 2 has state, the state dict none",
        "state the state dict has not", prepare=lambda g: g["state"].pop(2)),
@@ -368,16 +372,14 @@ INSTALLS = [
     _C(_pytorch, None, "a None value kept", prepare=lambda g: g["state"][0].__setitem__("x", None)),
     _C(_then(lambda o, g: o.state[params_of(o)[1]].clear()), "the state of parameter 1 does not have the state dict's keys",
        "a key missing after a parameter without state", prepare=lambda g: g["state"].pop(0)),
-    _C(_buffer(0, lambda o, g: g["state"][2]["momentum_buffer"]), f"{MB} 0 overlaps an incoming tensor {OTHERS}",
+    _C(_buffer(0, lambda o, g: g["state"][2]["momentum_buffer"]), f"{MB} 0 {ITSELF}",
        "another parameter's incoming tensor"),
-    _C(_buffer(0, lambda o, g: g["state"][2]["momentum_buffer"].view(2, 3)[1]),
-       f"{MB} 0 overlaps an incoming tensor {OTHERS}", "... through a view"),
-    _C(_kept_held, f"{MB} 1 is the tensor held before, not the incoming one",
-       "its own held tensor kept instead of the incoming", holds=True),
-    _C(_swapped_with_held, f"{MB} 2 overlaps a tensor held before {OTHERS}",
-       "another parameter's held tensor", holds=True),
-    _C(_buffer(2, lambda o, g: g["state"][0]["momentum_buffer"]._base[3:9]),
-       f"{MB} 2 overlaps an incoming tensor {OTHERS}", "... behind a nested one", prepare=_nested),
+    _C(_buffer(0, lambda o, g: g["state"][2]["momentum_buffer"].view(2, 3)[1]), f"{MB} 0 {ITSELF}",
+       "... through a view"),
+    _C(_kept_held, f"{MB} 1 {ITSELF}", "its own held tensor kept instead of the incoming", holds=True),
+    _C(_swapped_with_held, f"{MB} 2 {ITSELF}", "another parameter's held tensor", holds=True),
+    _C(_buffer(2, lambda o, g: g["state"][0]["momentum_buffer"]._base[3:9]), f"{MB} 2 {ITSELF}",
+       "... behind a nested one", prepare=_nested),
 ]  # fmt: skip
 
 
@@ -398,7 +400,7 @@ def test_a_tensor_installed_for_a_non_tensor_is_not_compared_with_it() -> None:
     snapshot = dict(given, state={k: dict(v) for k, v in given["state"].items()})
     optimizer.load_state_dict(given)
     assert isinstance(optimizer.state[params[0][0]]["step"], torch.Tensor)
-    assert installed_state_problem(optimizer, snapshot, params, {}) is None
+    assert installed_state_problem(optimizer, snapshot, params) is None
 
 
 def _exported(change: Callable[[Dict[str, Any], torch.optim.Optimizer], Any]) -> Optional[str]:
@@ -566,3 +568,10 @@ def test_a_parameter_without_state_has_no_held_ranges_and_no_read_target() -> No
     assert read_target_problem(
         optimizer, params[1], "exp_avg", target, extents, "exp_avg of parameter 1"
     ) == ("the optimizer holds no 'exp_avg' for this parameter")
+
+
+def test_a_tensor_without_strided_storage_covers_no_memory() -> None:
+    """A sparse tensor has no storage to walk: ``extent`` says so instead of raising."""
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (3,))
+    assert extent(sparse) is None and extent(torch.zeros(0)) is None
+    assert extent(torch.zeros(4)) is not None

@@ -296,9 +296,17 @@ def installed_state_problem(
             if isinstance(incoming, torch.Tensor):
                 if not same_memory(value, incoming):
                     return f"{key} of parameter {index} is not the incoming tensor itself"
-            elif not same_value(value, incoming):
+            elif not (same_value(value, incoming) or _loaded_number(value, incoming)):
                 return f"{key} of parameter {index} is not the incoming value"
     return None
+
+
+def _loaded_number(value: Any, incoming: Any) -> bool:
+    """Whether ``value`` is PyTorch's loader's CPU tensor of the number ``incoming`` (Adam turns
+    an old checkpoint's float ``step`` into one)."""
+    if not isinstance(value, torch.Tensor) or not isinstance(incoming, (int, float)):
+        return False
+    return value.numel() == 1 and value.device.type == "cpu" and value.item() == incoming
 
 
 def exported_state_problem(optimizer: torch.optim.Optimizer, exported: Any) -> Optional[str]:
