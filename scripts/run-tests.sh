@@ -5,14 +5,17 @@
 #   patches apply with --fuzz=0), the routing tests pass against it and FAIL against unpatched
 #   upstream X (negative control),
 #   the test suite against the default build, on every CPU (pytest-xdist; GPU tests are reported
-#   as skipped, with the reason, without CUDA + TE).
+#   as skipped, with the reason, without CUDA + TE),
+#   Megatron-LM's own lint checks (its black, isort, pylint and ruff settings and copyright line,
+#   upstream/lint/) on every file the Megatron-LM series adds or changes: upstream/lint_series.py
+#   fails on any finding the series introduces.
 # Independent steps run side by side: every release is composed (and its unpatched upstream
 # unpacked) while the requirements install (the default build's, read from its upstream wheel as
 # setup.py reads them -- torch, once --, the tests' and the docs'); then the default release's
 # wheel (the one 'pip install .' builds) and the example plugin install, and pytest runs in the
-# foreground while mypy + the docs and the routing checks run in the background, each into its
-# own log, printed after pytest. From there every step runs to the end; the last line names the
-# failed ones. pip's cache is shared by all steps (pip's default).
+# foreground while mypy + the docs, the routing checks and the series' lint run in the background,
+# each into its own log, printed after pytest. From there every step runs to the end; the last line
+# names the failed ones. pip's cache is shared by all steps (pip's default).
 # Usage: bash scripts/run-tests.sh [extra pytest args]
 #   VENV=dir to choose the venv; JOBS=N pytest workers (default: the CPUs, at most 8; 0: none)
 set -euo pipefail
@@ -127,7 +130,8 @@ static_checks() {
   echo "== mypy --strict"
   python -m mypy --cache-dir "$work/mypy-cache" megatron/core/optimizer/state_adoption \
     megatron/core/dist_checkpointing/in_place_merge.py \
-    build_tools setup.py upstream/build_series.py upstream/make_gpu_bundle.py upstream/pytest_outcomes.py
+    build_tools setup.py upstream/build_series.py upstream/make_gpu_bundle.py \
+    upstream/pytest_outcomes.py upstream/lint_series.py
   echo "== mypy --strict: the resume benchmark (Megatron-Core, TE and TensorBoard as Any)"
   python -m mypy --cache-dir "$work/mypy-cache" --config-file benchmarks/mypy.ini \
     benchmarks/resume_benchmark
@@ -179,9 +183,22 @@ routing_checks() {
   return $status
 }
 
-step "mypy and docs, and the routing checks of every release, in the background"
+# Megatron-LM's lint on the series: the files it adds as they are here, the files it changes as
+# the default release's upstream wheel (cached in build/upstream by the composition) with
+# patches/*.patch applied, only findings the unpatched files lack counting; exit 1 on any. The
+# tools run in a venv of their own with only requirements/lint.txt, as Megatron-LM's linting job
+# has only its linting group (pylint's inference then stops at torch instead of reading it:
+# faster, and what upstream's result comes from).
+upstream_lint() {
+  "$PYTHON" -m venv "$work/lint-venv"
+  "$work/lint-venv/bin/python" -m pip install -q -r requirements/lint.txt
+  python upstream/lint_series.py -v --tools-python "$work/lint-venv/bin/python"
+}
+
+step "mypy and docs, the routing checks of every release and the series' lint, in the background"
 start static static_checks
 start releases routing_checks
+start lint upstream_lint
 
 jobs=${JOBS:-$(nproc)}
 (( jobs <= 8 )) || jobs=8
@@ -194,6 +211,8 @@ step "mypy --strict, docs"
 finish static || failed+=("mypy/docs")
 step "releases: compose each; routing tests pass on it and fail on unpatched upstream"
 finish releases || failed+=("releases")
+step "upstream lint: python upstream/lint_series.py (Megatron-LM's settings, upstream/lint/)"
+finish lint || failed+=("upstream lint")
 if (( ${#failed[@]} )); then
   step "FAILED: ${failed[*]}"
   exit 1
