@@ -273,8 +273,8 @@ def test_a_known_upstream_divergence_excuses_upstream_only() -> None:
 
 
 def test_a_report_equal_to_the_peak_once_rounded_is_within_it() -> None:
-    # Session 16's precision-aware build: Megatron printed 3848.91 MiB for a peak of
-    # 4,035,873,792 B (3,848.906 MiB); a hundredth more is above it.
+    # The precision-aware build of docs/gpu-results/megatron-lm-small: Megatron printed
+    # 3848.91 MiB for a peak of 4,035,873,792 B (3,848.906 MiB); a hundredth more is above it.
     assert within_training_peak(3848.91, 4_035_873_792) is True
     assert within_training_peak(3848.92, 4_035_873_792) is False
     assert within_training_peak(None, 4_035_873_792) is None
