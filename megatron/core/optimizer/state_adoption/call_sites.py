@@ -120,7 +120,10 @@ class _Initialize(HookPoint[None]):
 
     def gate_reason(self) -> Optional[str]:
         optimizer = self.optimizer
-        if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+        if (
+            torch_optimizer._global_optimizer_pre_hooks
+            or torch_optimizer._global_optimizer_post_hooks
+        ):
             return "global optimizer step hooks are registered, which upstream runs"
         if len(optimizer.state) > 0:
             return "the optimizer holds state already, which the own initialization steps"
@@ -170,7 +173,9 @@ class _Read(HookPoint[torch.Tensor]):
 
     name, verb, upstream_method = "read", "supplied read targets for", "get_unscaled_state"
 
-    def __init__(self, owner: "MegatronOptimizer", registry: Optional[StateAdopterRegistry]) -> None:
+    def __init__(
+        self, owner: "MegatronOptimizer", registry: Optional[StateAdopterRegistry]
+    ) -> None:
         super().__init__(owner, registry)
         self.owner = owner
         self.adopter: Optional[StateAdopter] = None
@@ -179,24 +184,29 @@ class _Read(HookPoint[torch.Tensor]):
         self.targets: List[torch.Tensor] = []
 
     def gate_reason(self) -> Optional[str]:
+        """Upstream's methods set on the instance run instead of any adopter."""
         for method in ("get_unscaled_state", "set_scaled_state"):
             if method in vars(self.optimizer):
                 return f"the {type(self.optimizer).__name__} instance has its own {method}"
         return None
 
     def decline_reason(self, adopter: StateAdopter) -> Optional[str]:
+        """Asks the adopter once per read."""
         return adopter.read_target_decline_reason(self.context)
 
     def act(self, adopter: StateAdopter) -> torch.Tensor:
+        """The adopter's target for the current state."""
         return adopter.read_target(self.context, self.param, self.state_name)
 
     def result_problem(self, result: torch.Tensor, adopter: StateAdopter) -> Optional[str]:
+        """Checks one target against the held state."""
         label = f"{self.state_name} of parameter {self.index.get(id(self.param))}"
         return checks.read_target_problem(
             self.optimizer, self.param, self.state_name, result, self.extents, label
         )
 
     def own(self) -> torch.Tensor:
+        """Upstream's target: ``get_unscaled_state``."""
         unscaled: torch.Tensor = self.optimizer.get_unscaled_state(  # type: ignore[attr-defined]
             self.param, self.state_name
         )

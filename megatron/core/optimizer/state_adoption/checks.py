@@ -63,7 +63,7 @@ class Extents:
         self._ranges: Dict[int, List[Tuple[int, int, str]]] = {}
 
     def overlap(self, tensor: torch.Tensor, allowed: Optional[str] = None) -> Optional[str]:
-        """The label of a range ``tensor`` overlaps, other than an equal one labelled ``allowed``."""
+        """The label of a range ``tensor`` overlaps, other than an equal one named ``allowed``."""
         place = extent(tensor)
         if place is None:
             return None
@@ -140,12 +140,14 @@ def param_groups_problem(optimizer: torch.optim.Optimizer, state_dict: Any) -> O
     if not isinstance(state, Mapping) or not isinstance(groups, list):
         return "the state dict lacks a 'state' mapping or a 'param_groups' list"
     if len(groups) != len(optimizer.param_groups):
-        return f"the state dict has {len(groups)} param groups, the optimizer {len(optimizer.param_groups)}"
+        count = len(optimizer.param_groups)
+        return f"the state dict has {len(groups)} param groups, the optimizer {count}"
     for index, (given, group) in enumerate(zip(groups, optimizer.param_groups)):
         if not isinstance(given, Mapping) or not isinstance(given.get("params"), list):
             return f"param group {index} of the state dict has no 'params' list"
         if len(given["params"]) != len(group["params"]):
-            return f"param group {index} has {len(given['params'])} params in the state dict, {len(group['params'])} in the optimizer"
+            counts = f"{len(given['params'])} params in the state dict, {len(group['params'])}"
+            return f"param group {index} has {counts} in the optimizer"
     return None
 
 

@@ -121,7 +121,9 @@ class Snapshot:
         for name in set(self._kept) | set(self._attributes):
             if changeable is None or name in changeable:
                 continue
-            if not _same_attribute(self._attributes.get(name, _MISSING), self._kept.get(name, _MISSING)):
+            if not _same_attribute(
+                self._attributes.get(name, _MISSING), self._kept.get(name, _MISSING)
+            ):
                 return f"it replaced the optimizer's attribute {name!r}"
             if _differ(self._by_attribute.get(name, [])):
                 return f"it changed the optimizer's {name!r}"
@@ -147,7 +149,9 @@ def _differ(pairs: List[Tuple[Any, Any]]) -> bool:
     for container, copy in pairs:
         if len(container) != len(copy):
             return True
-        now = container if isinstance(container, list) else [container.get(k, _MISSING) for k in copy]
+        now = (
+            container if isinstance(container, list) else [container.get(k, _MISSING) for k in copy]
+        )
         was = copy if isinstance(copy, list) else list(copy.values())
         if any(a is not b for a, b in zip(now, was)):
             return True
@@ -331,6 +335,7 @@ class OutcomeRecord:
         state: Any = None,
         error: Optional[BaseException] = None,
     ) -> None:
+        """Measures ``state`` (unless the call raised ``error``), logs and reports the outcome."""
         reused, allocated = (0, 0) if error is not None else self.measure(state)
         outcome = AdoptionOutcome(
             hook_point=self.point.name,
@@ -382,7 +387,9 @@ def log(
 ) -> None:
     """Logs an adoption at INFO on rank 0; declines and plain calls at DEBUG; errors warn."""
     if outcome is not None and outcome.error is not None:
-        logger.warning(f"Optimizer state {point.name} of {outcome.optimizer} raised: {outcome.error}")
+        logger.warning(
+            f"Optimizer state {point.name} of {outcome.optimizer} raised: {outcome.error}"
+        )
         return
     level = logging.INFO if adopter is not None else logging.DEBUG
     if not logger.isEnabledFor(level):
@@ -393,10 +400,14 @@ def log(
         sizes = f": {_size(outcome.reused_bytes)} by reference, "
         sizes += f"{_size(outcome.allocated_bytes)} newly allocated"
     if adopter is not None:
-        message = f"Optimizer state adopter {adopter.name!r} {point.verb} the state of {what}{sizes}"
+        message = (
+            f"Optimizer state adopter {adopter.name!r} {point.verb} the state of {what}{sizes}"
+        )
     else:
         declines = "; ".join(f"{name!r}: {why}" for name, why in point.declines)
-        message = f"{point.own_label()} ran for {what} ({reason}{'; ' if declines else ''}{declines})"
+        message = (
+            f"{point.own_label()} ran for {what} ({reason}{'; ' if declines else ''}{declines})"
+        )
     log_single_rank(logger, level, message)
 
 

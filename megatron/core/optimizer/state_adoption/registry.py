@@ -143,7 +143,9 @@ class StateAdopterRegistry:
             except Exception as error:  # observing a call must not break it
                 self.fall_back(f"outcome hook {hook!r} raised", error, "it is skipped")
 
-    def fall_back(self, what: str, error: Optional[BaseException] = None, instead: str = "") -> None:
+    def fall_back(
+        self, what: str, error: Optional[BaseException] = None, instead: str = ""
+    ) -> None:
         """Warns once, on rank 0, that ``what`` failed and what runs ``instead``.
 
         Raises:

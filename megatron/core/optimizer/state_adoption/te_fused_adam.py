@@ -17,8 +17,8 @@ from packaging.version import InvalidVersion, Version
 
 from megatron.core.utils import get_te_version
 
-from .adopter import AdoptionContext, StateAdopter
 from . import checks
+from .adopter import AdoptionContext, StateAdopter
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 # FusedAdam methods that allocate, scale or expose state: overriding one may rely on TE's loader.
@@ -122,9 +122,9 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
             if te_version is None:
                 return "FusedAdam has no 'store_param_remainders' and the TE release is unknown"
             if te_version < _FIRST_KNOWN:
-                return f"Transformer Engine {te_version} predates 1.13, the first release this adopter knows"
+                return f"Transformer Engine {te_version} predates 1.13, the first one known here"
             if te_version >= _FIRST_WITH_REMAINDERS:
-                return f"FusedAdam has no 'store_param_remainders', which Transformer Engine {te_version} sets"
+                return f"FusedAdam lacks 'store_param_remainders', which TE {te_version} has"
         if not isinstance(dtypes, Mapping):
             return "FusedAdam has no 'name_to_dtype_map'"
         for key in MOMENT_KEYS:
@@ -184,7 +184,9 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
 
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a payload to store into the held state, or a scaffold to install."""
-        reason = self._opt_in_problem(context) or self._mode_problem(context, _bf16_settings_problem)
+        reason = self._opt_in_problem(context) or self._mode_problem(
+            context, _bf16_settings_problem
+        )
         if reason is not None:
             return reason
         payload = self._payload_problem(context)
@@ -284,8 +286,11 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         """The incoming state is the held state itself (its export: MCore's payload pass)."""
         optimizer, given = context.optimizer, context.state_dict
         reason = checks.param_groups_problem(optimizer, given) or self._held_problem(context)
+        if reason is not None:
+            return reason
+        assert given is not None
         held = checks.held_state_dict(optimizer)["state"]
-        return reason or checks.mismatch(given["state"], held, "the incoming state")  # type: ignore[index]
+        return checks.mismatch(given["state"], held, "the incoming state")
 
 
 def _bf16_settings_problem(optimizer: Any) -> Optional[str]:
