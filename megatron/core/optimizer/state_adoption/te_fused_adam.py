@@ -122,9 +122,15 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
             if te_version is None:
                 return "FusedAdam has no 'store_param_remainders' and the TE release is unknown"
             if te_version < _FIRST_KNOWN:
-                return f"Transformer Engine {te_version} predates 1.13, the first one known here"
+                return (
+                    f"Transformer Engine {te_version} predates 1.13, "
+                    "the first release this adopter knows"
+                )
             if te_version >= _FIRST_WITH_REMAINDERS:
-                return f"FusedAdam lacks 'store_param_remainders', which TE {te_version} has"
+                return (
+                    "FusedAdam has no 'store_param_remainders', "
+                    f"which Transformer Engine {te_version} sets"
+                )
         if not isinstance(dtypes, Mapping):
             return "FusedAdam has no 'name_to_dtype_map'"
         for key in MOMENT_KEYS:
