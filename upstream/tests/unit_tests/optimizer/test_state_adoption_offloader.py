@@ -9,18 +9,27 @@ outcome is reported, and the offloader receives what upstream handed it.
 """
 
 import pytest
-
-from tests.unit_tests.optimizer.test_state_adoption import (  # noqa: F401 (fixtures)
-    RecordingAdopter,
+from tests.unit_tests.optimizer.test_state_adoption import (
+    PyTorchLoaderAdopter,
+    _moments,
+    _trained_adam,
+)
+from tests.unit_tests.optimizer.test_state_adoption_roles import (  # noqa: F401 (fixtures)
     _bare_distributed_optimizer,
     _bare_float16_optimizer,
-    _moments,
-    _non_distributed_state_dict,
-    _outer_state_dict,
-    _trained_adam,
     outcomes,
     register,
 )
+
+
+def _outer_state_dict(inner):
+    """The non-tensor state dict DistributedOptimizer.load_state_dict receives for ``inner``."""
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} for g in inner.state_dict()["param_groups"]
+    ]
+    for group in groups:
+        group["step"] = 2
+    return {"optimizer": {"param_groups": groups}}
 
 
 class RecordingOffloader:
@@ -48,7 +57,7 @@ def _count_state_dict_calls(inner):
 class TestStateAdoptionWithChunkedOffloader:
     @pytest.mark.parametrize("switch", [True, False])
     def test_offloader_loads_without_adoption(self, register, outcomes, switch):
-        adopter = RecordingAdopter("test_accepting")
+        adopter = PyTorchLoaderAdopter("test_accepting")
         register(adopter)
         inner = _trained_adam(0)
         distributed = _bare_distributed_optimizer(inner, optimizer_state_adoption=switch)
@@ -59,7 +68,7 @@ class TestStateAdoptionWithChunkedOffloader:
 
         distributed.load_state_dict(outer)
 
-        assert adopter.checked == [] and outcomes == []
+        assert adopter.checked == 0 and outcomes == []
         assert len(state_dict_calls) == 1
         (loaded,) = distributed._optimizer_state_offloader.loaded
         assert sorted(loaded) == ["param_groups", "state"]
@@ -72,26 +81,31 @@ class TestStateAdoptionWithChunkedOffloader:
         assert all(a is b for a, b in zip(_moments(inner), moments))
 
     def test_float16_optimizer_offloader_loads_without_adoption(self, register, outcomes):
-        adopter = RecordingAdopter("test_accepting")
+        adopter = PyTorchLoaderAdopter("test_accepting")
         register(adopter)
         owner = _bare_float16_optimizer(_trained_adam(0))
         owner._optimizer_state_offloader = RecordingOffloader()
-        state_dict = _non_distributed_state_dict(owner, _trained_adam(1).state_dict())
+        groups = owner.optimizer.param_groups
+        main_params = [[p.detach().clone() for p in g["params"]] for g in groups]
+        state_dict = {
+            "optimizer": _trained_adam(1).state_dict(),
+            "fp32_from_fp16_params": main_params,
+        }
 
         owner.load_state_dict(state_dict)
 
-        assert adopter.checked == [] and outcomes == []
+        assert adopter.checked == 0 and outcomes == []
         assert owner._optimizer_state_offloader.loaded == [state_dict["optimizer"]]
 
     def test_without_offloader_the_registry_is_consulted(self, register, outcomes):
-        adopter = RecordingAdopter("test_accepting")
+        adopter = PyTorchLoaderAdopter("test_accepting")
         register(adopter)
         distributed = _bare_distributed_optimizer(_trained_adam(0))
         distributed._optimizer_state_offloader = None
 
         distributed.load_state_dict(_outer_state_dict(distributed.optimizer))
 
-        assert len(adopter.adopted) == 1 and adopter.adopted[0].owns_state_dict is True
+        assert adopter.checked == 1
         assert [(o.hook_point, o.adopter) for o in outcomes] == [
             ("export", None),
             ("load", "test_accepting"),
