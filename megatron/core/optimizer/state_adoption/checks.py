@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from .adopter import AdoptionContext
+
 ExpectedState = Mapping[str, torch.dtype]
 """State keys of one parameter, each with the dtype it must have."""
 
@@ -30,13 +32,15 @@ def tensors_of(state: Any) -> List[torch.Tensor]:
     return [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, list) else []
 
 
-def params_problem(optimizer: Any, rule: Callable[[Any], Optional[str]]) -> Optional[str]:
+def params_problem(
+    optimizer: torch.optim.Optimizer, rule: Callable[[torch.Tensor], Optional[str]]
+) -> Optional[str]:
     """The first parameter ``rule`` declines, named by its position; None if none."""
     reasons = ((index, rule(param)) for index, param in enumerate(params_of(optimizer)))
     return next((f"parameter {index}: {reason}" for index, reason in reasons if reason), None)
 
 
-def is_dtensor(value: Any) -> bool:
+def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a DTensor (Megatron-FSDP's parameters and state are)."""
     return isinstance(value, torch.Tensor) and callable(getattr(value, "to_local", None))
 
@@ -85,7 +89,7 @@ class Extents:
         return overlapped
 
 
-def owner_problem(context: Any, precision_aware: bool) -> Optional[str]:
+def owner_problem(context: AdoptionContext, precision_aware: bool) -> Optional[str]:
     """Decline stub and CPU-offloaded owners, and the other precision mode than the adopter's."""
     config = context.config
     if context.is_stub_optimizer:
@@ -101,12 +105,12 @@ def owner_problem(context: Any, precision_aware: bool) -> Optional[str]:
     return None
 
 
-def tensor_problem(value: Any, dtype: torch.dtype, like: torch.Tensor) -> Optional[str]:
+def tensor_problem(value: object, dtype: torch.dtype, like: torch.Tensor) -> Optional[str]:
     """Accept a dense, contiguous, plain ``dtype`` tensor on ``like``'s device and of its shape,
     not requiring grad; for a DTensor ``like``, a DTensor of its layout whose shard is one.
     """
     if is_dtensor(like):
-        if not is_dtensor(value):
+        if not isinstance(value, torch.Tensor) or not is_dtensor(value):
             return f"is a {type(value).__name__}, the parameter a DTensor"
         for attribute in ("device_mesh", "placements", "shape"):
             if getattr(value, attribute) != getattr(like, attribute):
@@ -133,7 +137,9 @@ def tensor_problem(value: Any, dtype: torch.dtype, like: torch.Tensor) -> Option
     return None
 
 
-def param_groups_problem(optimizer: torch.optim.Optimizer, state_dict: Any) -> Optional[str]:
+def param_groups_problem(
+    optimizer: torch.optim.Optimizer, state_dict: Optional[Mapping[str, Any]]
+) -> Optional[str]:
     """PyTorch's validation of a state dict's groups (count and sizes), without raising."""
     state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
@@ -184,7 +190,7 @@ def held_extents(optimizer: torch.optim.Optimizer) -> Extents:
 
 
 def incoming_state_problem(
-    context: Any,
+    context: AdoptionContext,
     param_problem: Callable[[torch.Tensor], Optional[str]],
     expected: Callable[[torch.Tensor], ExpectedState],
 ) -> Optional[str]:
@@ -195,7 +201,7 @@ def incoming_state_problem(
     """
     optimizer, state_dict = context.optimizer, context.state_dict
     reason = param_groups_problem(optimizer, state_dict)
-    if reason is not None:
+    if reason is not None or state_dict is None:
         return reason
     extents, entries = Extents(), 0
     for index, param in enumerate(params_of(optimizer)):
@@ -217,7 +223,11 @@ def incoming_state_problem(
 
 
 def _entry_problem(
-    context: Any, param: torch.Tensor, entry: Any, expected: ExpectedState, extents: Extents
+    context: AdoptionContext,
+    param: torch.Tensor,
+    entry: object,
+    expected: ExpectedState,
+    extents: Extents,
 ) -> Optional[str]:
     """One parameter's incoming entry: keys, tensors, overlaps and whom the tensors belong to."""
     if not isinstance(entry, Mapping) or set(entry) != set(expected):
@@ -239,7 +249,7 @@ def _entry_problem(
     return None
 
 
-def same_memory(tensor: Any, other: Any) -> bool:
+def same_memory(tensor: object, other: object) -> bool:
     """Whether two tensors are the same elements of the same memory (a tensor or an alias; two
     empty tensors of one layout share nothing to tell apart)."""
     if not (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor)):
@@ -249,7 +259,7 @@ def same_memory(tensor: Any, other: Any) -> bool:
     return tensor is other or (layout[0] == layout[1] and extent(a) == extent(b))
 
 
-def same_value(installed: Any, given: Any) -> bool:
+def same_value(installed: object, given: object) -> bool:
     """Whether a hyper-parameter equals the given one: tensors bit for bit, objects without an
     ``==`` of their own by type (PyTorch's loader installs deep copies)."""
     if installed is given:
@@ -303,7 +313,7 @@ def installed_state_problem(
     return None
 
 
-def _loaded_number(value: Any, incoming: Any) -> bool:
+def _loaded_number(value: object, incoming: object) -> bool:
     """Whether ``value`` is PyTorch's loader's CPU tensor of the number ``incoming`` (Adam turns
     an old checkpoint's float ``step`` into one)."""
     if not isinstance(value, torch.Tensor) or not isinstance(incoming, (int, float)):
@@ -311,7 +321,7 @@ def _loaded_number(value: Any, incoming: Any) -> bool:
     return value.numel() == 1 and value.device.type == "cpu" and value.item() == incoming
 
 
-def exported_state_problem(optimizer: torch.optim.Optimizer, exported: Any) -> Optional[str]:
+def exported_state_problem(optimizer: torch.optim.Optimizer, exported: object) -> Optional[str]:
     """Check that an export is PyTorch's state dict of the optimizer as it holds its state
     (:func:`held_state_dict`): the same keys and ids, each tensor the held one itself.
     """
@@ -334,7 +344,9 @@ def mismatch(value: Any, held: Any, where: str) -> Optional[str]:
     return None if same_value(value, held) else f"{where} is {value!r}, not the held {held!r}"
 
 
-def initialized_state_problem(optimizer: torch.optim.Optimizer, params: List[Any]) -> Optional[str]:
+def initialized_state_problem(
+    optimizer: torch.optim.Optimizer, params: List[torch.Tensor]
+) -> Optional[str]:
     """State for exactly the parameters (``params``) with a non-empty local shard."""
     known = {id(param) for param in params}
     if any(id(key) not in known for key in optimizer.state):

@@ -58,7 +58,9 @@ def _version(tensor: torch.Tensor) -> Optional[int]:
         return None
 
 
-def _containers(value: Any, seen: Dict[int, Any], depth: int = _DEPTH) -> List[Tuple[Any, Any]]:
+def _containers(
+    value: object, seen: Dict[int, object], depth: int = _DEPTH
+) -> List[Tuple[Any, Any]]:
     """(container, shallow copy) of ``value`` and every dict and list within ``depth`` levels."""
     if depth == 0 or not isinstance(value, (dict, list)) or id(value) in seen:
         return []
@@ -85,7 +87,7 @@ class Snapshot:
     ) -> None:
         self._attributes = vars(optimizer)
         self._kept = dict(self._attributes)
-        seen: Dict[int, Any] = {id(self._attributes): self._attributes}
+        seen: Dict[int, object] = {id(self._attributes): self._attributes}
         self._by_attribute = {name: _containers(v, seen) for name, v in self._kept.items()}
         self._given = _containers(state_dict, seen)
         pairs = [pair for pairs in self._by_attribute.values() for pair in pairs] + self._given
@@ -139,7 +141,7 @@ class Snapshot:
         return f"it wrote into {count} tensor(s) of the optimizer, its parameters or the state dict"
 
 
-def _same_attribute(now: Any, was: Any) -> bool:
+def _same_attribute(now: object, was: object) -> bool:
     """The same object, or an equal plain value (PyTorch's loader renews a profiling name)."""
     plain = (str, int, float, bool, bytes, torch.dtype)
     return now is was or (type(now) is type(was) and isinstance(now, plain) and now == was)

@@ -10,7 +10,7 @@ in while the caller still holds it. Each declines what it cannot prove equal to 
 import sys
 from dataclasses import replace
 from functools import partial
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from packaging.version import InvalidVersion, Version
@@ -32,7 +32,9 @@ STORE_CHUNK_ELEMENTS = 1 << 20
 
 
 def fused_adam_problem(
-    optimizer: Any, fused_adam_class: Optional[type], methods: Tuple[str, ...] = _STATE_METHODS
+    optimizer: torch.optim.Optimizer,
+    fused_adam_class: Optional[type],
+    methods: Tuple[str, ...] = _STATE_METHODS,
 ) -> Optional[str]:
     """Accept TE's FusedAdam (among the imported modules; TE is never imported here) and
     subclasses and instances that do not override any of ``methods``."""
@@ -67,7 +69,9 @@ class _TEFusedAdamAdopter(StateAdopter):
         self._fused_adam_class, self._device_type = fused_adam_class, device_type
         self._te_version = te_version
 
-    def _mode_problem(self, context: AdoptionContext, settings_problem: Any) -> Optional[str]:
+    def _mode_problem(
+        self, context: AdoptionContext, settings_problem: Callable[[Any], Optional[str]]
+    ) -> Optional[str]:
         return (  # in order: each check relies on the ones before
             checks.owner_problem(context, self.precision_aware)
             or fused_adam_problem(context.optimizer, self._fused_adam_class)
