@@ -9,6 +9,7 @@ outcome is reported, and the offloader receives what upstream handed it.
 """
 
 import pytest
+
 from tests.unit_tests.optimizer.test_state_adoption import (
     PyTorchLoaderAdopter,
     _moments,

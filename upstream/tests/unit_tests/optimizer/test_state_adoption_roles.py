@@ -10,16 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.unit_tests.optimizer.test_state_adoption import (
-    PyTorchLoaderAdopter,
-    _cloned,
-    _load,
-    _moments,
-    _owner,
-    _te_fused_adam,
-    _trained_adam,
-    requires_te_on_cuda,
-)
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -29,6 +19,16 @@ from megatron.core.optimizer.state_adoption import (
     StateAdopterRegistry,
     default_registry,
     export_inner_optimizer_state_dict,
+)
+from tests.unit_tests.optimizer.test_state_adoption import (
+    PyTorchLoaderAdopter,
+    _cloned,
+    _load,
+    _moments,
+    _owner,
+    _te_fused_adam,
+    _trained_adam,
+    requires_te_on_cuda,
 )
 
 PLUGIN_GROUP = "test.megatron_core.optimizer_state_adopters"
