@@ -93,6 +93,12 @@ _LLAMA: Final = (
     "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
     "--disable-bias-linear",
 )  # fmt: skip
+#: A Qwen2-style GPT: as Llama's, but with biases on the query, key and value projections only,
+#: two query groups and tied embeddings.
+_QWEN: Final = (
+    "--swiglu", "--group-query-attention", "--num-query-groups", "2", "--normalization",
+    "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear", "--add-qkv-bias",
+)  # fmt: skip
 _ADOPTS, _KEEPS = Expectation.ADOPTS, Expectation.KEEPS_LOADER
 
 #: Every built-in configuration, in the order ``all`` runs them.
@@ -137,6 +143,13 @@ CONFIGURATIONS: Final[Mapping[str, Configuration]] = {
             "Llama-style: SwiGLU (FFN 3.5 x hidden, as Llama 3 and Mistral), GQA with 4 groups, "
             "RMSNorm, RoPE, untied embeddings, no biases; BF16, distributed optimizer",
             ffn_hidden_size_ratio=3.5,
+        ),
+        Configuration(
+            "qwen", (*_DISTRIBUTED, *_QWEN), _ADOPTS,
+            "Qwen2-style: SwiGLU (FFN 5.43 x hidden, as Qwen2.5-0.5B's 4864 / 896), GQA with 2 "
+            "groups, biases on Q, K and V only, RMSNorm, RoPE, tied embeddings; BF16, "
+            "distributed optimizer",
+            ffn_hidden_size_ratio=4864 / 896,
         ),
         Configuration(
             "cpu-offload",
