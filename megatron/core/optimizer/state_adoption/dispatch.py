@@ -293,6 +293,8 @@ def run(point: HookPoint[T]) -> T:
     record = OutcomeRecord(point) if point.registry.observed else None
     adopter: Optional[StateAdopter] = None
     reason = point.gate_reason()
+    if reason is None and not point.registry.adopters():
+        reason = "no adopter is registered"
     method: Optional[str] = None
     result: Any = None
     try:
