@@ -25,9 +25,9 @@ from megatron.core.optimizer.state_adoption import (  # noqa: E402
 @pytest.fixture(autouse=True, scope="session")
 def _strict_process_wide_registry() -> Iterator[None]:
     registry = default_registry()
-    registry.strict = True
+    previous, registry.strict = registry.strict, True
     yield
-    registry.strict = False
+    registry.strict = previous
 
 
 @pytest.fixture
@@ -66,11 +66,12 @@ def cpu_mesh() -> Iterator[Any]:
 
 
 @pytest.fixture
-def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
     """``install_plugin(distribution, {entry point: value}, source, group)`` installs a real
     plugin distribution 1.0 (a module and a dist-info with ``entry_points.txt``) in a new folder
-    at the front of ``sys.path``, where ``importlib.metadata`` finds it; forgotten after."""
-    count = [0]
+    at the front of ``sys.path``, where ``importlib.metadata`` finds it; forgotten after (the
+    folder leaves ``sys.path``, the module ``sys.modules``)."""
+    count, modules = [0], []
 
     def install(distribution: str, entry_points: Dict[str, str], source: str = "", group: str = "test.adopters") -> Path:
         count[0] += 1
@@ -84,6 +85,9 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[
         (dist_info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
         monkeypatch.syspath_prepend(str(root))
         monkeypatch.delitem(sys.modules, distribution, raising=False)
+        modules.append(distribution)
         return root
 
-    return install
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)

@@ -1,7 +1,7 @@
 """What the benchmark records of the state adoption (``results``, through the subsystem's
 ``default_registry()``): the registered adopters and every outcome with the build, None with
 upstream megatron-core (no subsystem), and the opt-in precision-aware plugin -- a distribution
-with nothing but its entry point -- loaded when Megatron-Core constructs an optimizer, as in a
+with nothing but its entry point -- loaded when the registry is first consulted, as in a
 ``precision-aware`` resume of the benchmark with the plugin installed beside the build.
 """
 
@@ -46,7 +46,7 @@ def test_the_build_reports_its_adopters_and_every_outcome() -> None:
     )
 
     names = registered_adopter_names()
-    assert names == [adopter.name for adopter, _ in default_registry().registrations()]
+    assert names == [adopter.name for adopter in default_registry().adopters()]
     assert names is not None and names[: len(DEFAULT_ADOPTERS)] == list(DEFAULT_ADOPTERS)
     assert has_outcome_hooks()
     owner = types.SimpleNamespace(optimizer=_adam())
@@ -120,8 +120,8 @@ def load_checkpoint(optimizer):
     return 0
 """
 
-#: A stand-in pretrain_gpt.py: builds a Megatron-Core optimizer (whose constructor loads the
-#: plugins) and resumes it, as Megatron-LM does.
+#: A stand-in pretrain_gpt.py: builds a Megatron-Core optimizer and resumes it, as Megatron-LM
+#: does (the load's consultation of the registry loads the plugins).
 PLUGIN_SCRIPT = """
 import torch
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
@@ -146,8 +146,8 @@ def test_the_precision_aware_plugin_is_only_an_entry_point_the_probe_reports(
     tmp_path: Path,
 ) -> None:
     """The plugin beside the build (``pip install --target`` of both, as for ``--build DIR``):
-    the probe of a run whose optimizer Megatron-Core constructs records the plugin's adopter
-    after the built-in one, and the report names it as an extra adopter."""
+    the probe of a run whose optimizer Megatron-Core constructs and loads records the plugin's
+    adopter after the built-in ones, and the report names it as an extra adopter."""
     site = tmp_path / "plugin-site"
     _install_plugin(site)
     client = tmp_path / "client"

@@ -35,7 +35,7 @@ from megatron.core.optimizer.state_adoption import (
 from megatron.core.optimizer.state_adoption import te_fused_adam
 
 pytestmark = gpu_only
-NAME = TEFusedAdamPrecisionAwareStateAdopter.name
+NAME = TEFusedAdamPrecisionAwareStateAdopter().name  # an instance's name (a property)
 
 PRECISION_AWARE = types.SimpleNamespace(
     use_precision_aware_optimizer=True, optimizer_cpu_offload=False, optimizer_state_adoption=True
@@ -157,7 +157,7 @@ def test_mcore_precision_aware_resume_adopts_both_passes(tmp_path: Path, caplog)
     control = train_save_control(case, tmp_path / "checkpoint")
     peaks = {}
     for label in ("te_loader", "opted_in"):
-        registered = [a.name for a, _ in default_registry().registrations()]
+        registered = [a.name for a in default_registry().adopters()]
         handle = None
         if label == "opted_in" and NAME not in registered:
             handle = default_registry().register(TEFusedAdamPrecisionAwareStateAdopter())

