@@ -4,7 +4,8 @@ Through the installed megatron-core's own, unmodified methods (``mcore_owners`` 
 optimizer classes on the CPU): both passes of ``DistributedOptimizer.load_state_dict``'s main
 branch (its export and its load), its Megatron-FSDP branch, Megatron-FSDP's initialization, the
 precision-aware ``dp_reshardable`` read, the non-distributed ``Float16OptimizerWithFloat16Params``
-and ``FP32Optimizer`` loads, ``ChainedOptimizer`` and ``MegatronOptimizer``'s constructor (plugins).
+and ``FP32Optimizer`` loads, ``ChainedOptimizer``, and the installed plugins (loaded at the first
+consultation, not by ``MegatronOptimizer``'s constructor).
 
 ``scripts/run-tests.sh`` runs this file against every supported release: it passes against the
 composed X+stateadoption and fails (never errors) against unpatched upstream X with the subsystem
@@ -13,17 +14,20 @@ copied in, where no call site consults the registry (and ``OptimizerConfig`` has
 
 import dataclasses
 import logging
+import re
+import sys
 import types
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
 from adopters_for_tests import HalfInstallingAdopter, PyTorchLoaderAdopter
 from builders import (
+    StandInFP32Adopter,
     assert_bitwise_equal,
     config_with,
     ddp_config_with,
-    precision_aware_adopter,
     state_tensors,
 )
 from fused_adam_standin import FusedAdamStandIn
@@ -41,10 +45,13 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import Range
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.state_adoption import AdoptionOutcome, default_registry
+from megatron.core.optimizer.state_adoption import (
+    AdoptionOutcome,
+    TEFusedAdamPrecisionAwareStateAdopter,
+    default_registry,
+)
 
 SIZES = (10, 12, 5)  # flat main-parameter shards, in two MCore-style param groups
-OFF = "OptimizerConfig.optimizer_state_adoption is False"
 
 
 def _adam(steps: int = 2, seed: int = 0, cls: type = torch.optim.Adam, **kwargs: Any) -> Any:
@@ -191,9 +198,10 @@ def test_every_load_site_consults_the_registry_and_loads_what_the_own_code_loads
         and context.owns_state_dict is site.owns
     )
     assert outcomes[-1].allocated_bytes == 0 and outcomes[-1].reused_bytes > 0
+    reported = len(outcomes)
     own = _site(name, config_with(optimizer_state_adoption=False))
     site.load(own)
-    assert outcomes[-1].fallback_reason == OFF
+    assert len(outcomes) == reported  # adoption off: upstream's call and nothing else
     _assert_same_state(site, owner.optimizer, own.optimizer)
 
 
@@ -212,12 +220,10 @@ def test_an_instance_level_load_state_dict_runs_exactly_once_instead_of_any_adop
     owner.optimizer.load_state_dict = types.MethodType(load_state_dict, owner.optimizer)
     SITES[name].load(owner)
     (load,) = [o for o in outcomes if o.hook_point == "load"]
-    assert len(calls) == 1 and adam_adopter.adopted == []
-    assert (load.adopter, load.method) == (None, "load_state_dict set on the Adam instance")
-    assert (
-        load.fallback_reason
-        == "the Adam instance has its own load_state_dict, which upstream calls"
-    )
+    loads_checked = [context for context in adam_adopter.checked if context.state_dict is not None]
+    assert len(calls) == 1 and adam_adopter.adopted == [] and loads_checked == []
+    assert (load.adopter, load.method) == (None, "Adam.load_state_dict")
+    assert load.fallback_reason == "the Adam instance has its own load_state_dict"
 
 
 @pytest.mark.parametrize("name", SITES)
@@ -228,7 +234,9 @@ def test_a_failing_adopter_leaves_the_megatron_optimizer_loaded_by_its_own_code(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(default_registry(), "strict", False)  # warn and fall back, as in production
-    handle = default_registry().register(HalfInstallingAdopter(), prepend=True)
+    # A name of its own per site: the registry warns once per message.
+    adopter = HalfInstallingAdopter(re.sub(r"\W+", "_", f"half_installing {name}"))
+    handle = default_registry().register(adopter, prepend=True)
     try:
         owner = _site(name)
         with caplog.at_level(logging.WARNING, logger="megatron.core.optimizer.state_adoption"):
@@ -236,11 +244,12 @@ def test_a_failing_adopter_leaves_the_megatron_optimizer_loaded_by_its_own_code(
     finally:
         handle.remove()
     (load,) = [o for o in outcomes if o.hook_point == "load"]
-    assert (load.adopter, load.fallback_reason) == (
-        None,
-        "adopter 'half_installing' failed and was undone",
-    )
-    assert "adopter 'half_installing' failed and was undone" in caplog.text
+    failed = f"adopter {adopter.name!r} failed and was undone"
+    assert (load.adopter, load.fallback_reason) == (None, failed)
+    assert caplog.messages == [
+        f"Optimizer state adoption: {failed}; the own code runs for {load.optimizer} "
+        "(RuntimeError: failed half-way)"
+    ]
     reference = _site(name, config_with(optimizer_state_adoption=False))
     SITES[name].load(reference)
     _assert_same_state(SITES[name], owner.optimizer, reference.optimizer)
@@ -268,24 +277,40 @@ def _fsdp_initialize(config: Any = None) -> Any:
     return owner
 
 
-@pytest.mark.usefixtures("standin_in_default_registry")
 def test_megatron_fsdp_initializes_the_state_through_the_registry(
     outcomes: List[AdoptionOutcome],
 ) -> None:
-    """The stand-in's own step without gradients creates the state instead of the dummy step."""
-    ours = _fsdp_initialize()
+    """The stand-in's own step without gradients creates the state instead of the dummy step,
+    which runs where no adopter accepts (it is the initialization MCore hands over) and, without
+    an outcome, with adoption off; all three leave the same state."""
+    handle = default_registry().register(StandInFP32Adopter(FusedAdamStandIn, "cpu", "2.20.2"), prepend=True)
+    try:
+        ours = _fsdp_initialize()
+    finally:
+        handle.remove()
     assert [(o.hook_point, o.adopter) for o in outcomes] == [
         ("initialize", "te_fused_adam_fp32_standin")
     ]
     assert all(p.grad is None for g in ours.optimizer.param_groups for p in g["params"])
-    own = _fsdp_initialize(config_with(optimizer_state_adoption=False))
-    assert outcomes[-1].method == "DistributedOptimizer._init_optimizer_states_with_dummy_values"
-    assert_bitwise_equal(state_tensors(ours.optimizer), state_tensors(own.optimizer))
-    assert (
-        [g["step"] for g in ours.optimizer.param_groups]
-        == [g["step"] for g in own.optimizer.param_groups]
-        == [1, 1]
-    )
+    declined = _fsdp_initialize()
+    assert [(o.adopter, o.method) for o in outcomes[1:]] == [
+        (None, "DistributedOptimizer._init_optimizer_states_with_dummy_values")
+    ]
+    off = _fsdp_initialize(config_with(optimizer_state_adoption=False))
+    assert len(outcomes) == 2
+    for own in (declined, off):
+        assert_bitwise_equal(state_tensors(ours.optimizer), state_tensors(own.optimizer))
+        assert (
+            [g["step"] for g in ours.optimizer.param_groups]
+            == [g["step"] for g in own.optimizer.param_groups]
+            == [1, 1]
+        )
+
+
+def _precision_aware_adopter() -> TEFusedAdamPrecisionAwareStateAdopter:
+    """The precision-aware adopter for the stand-in, under a name of its own (the example
+    plugin, if installed, registers the class under its default name)."""
+    return TEFusedAdamPrecisionAwareStateAdopter(FusedAdamStandIn, "cpu", name="precision_aware_standin")
 
 
 def _precision_aware(config: Any = None) -> Any:
@@ -328,14 +353,14 @@ def test_the_precision_aware_read_takes_its_targets_from_the_registry(
 ) -> None:
     """``sharded_param_state_dp_reshardable(is_loading=True)`` reads into the held BF16 moments
     the opt-in adopter supplies; the state after the store is upstream's (FP32 copies)."""
-    handle = default_registry().register(precision_aware_adopter(), prepend=True)
+    handle = default_registry().register(_precision_aware_adopter(), prepend=True)
     try:
         ours = _precision_aware()
         targets = _read_and_store(ours)
     finally:
         handle.remove()
     assert [(o.hook_point, o.adopter, o.allocated_bytes) for o in outcomes] == [
-        ("read", "te_fused_adam_precision_aware", 0)
+        ("read", "precision_aware_standin", 0)
     ]
     for tensors, param in zip(targets, ours.model_param_group_index_map):
         assert all(tensors[k] is ours.optimizer.state[param][k] for k in ("exp_avg", "exp_avg_sq"))
@@ -367,22 +392,27 @@ SWITCHED = {
 def test_the_config_switch_reaches_every_site_and_asks_no_adopter(
     site: str, adam_adopter: PyTorchLoaderAdopter, outcomes: List[AdoptionOutcome]
 ) -> None:
-    handle = default_registry().register(precision_aware_adopter(), prepend=True)
+    """With adoption off nothing of the subsystem runs: no adopter is asked, no outcome is
+    reported (an outcome hook is registered)."""
+    handle = default_registry().register(_precision_aware_adopter(), prepend=True)
     try:
         SWITCHED[site]()
     finally:
         handle.remove()
-    assert outcomes and all(
-        (o.adopter, o.fallback_reason, o.declines) == (None, OFF, ()) for o in outcomes
-    )
-    assert adam_adopter.checked == []
+    assert outcomes == [] and adam_adopter.checked == []
 
 
 PLUGIN = """
 from megatron.core.optimizer.state_adoption import StateAdopter
 
+made = []
+
+
 class RoutingPlugin(StateAdopter):
     name = "routing_plugin"
+
+    def __init__(self):
+        made.append(self)
 
     def decline_reason(self, context):
         return "installed for the routing test"
@@ -390,6 +420,7 @@ class RoutingPlugin(StateAdopter):
     def adopt(self, context):
         raise AssertionError("never accepted")
 """
+PLUGIN_GROUP = "test.routing_adopters"
 
 
 class _Constructed(CpuFP32Optimizer):
@@ -399,26 +430,29 @@ class _Constructed(CpuFP32Optimizer):
         MegatronOptimizer.__init__(self, optimizer, config)
 
 
-def test_constructing_a_megatron_optimizer_loads_the_installed_plugins_once(
-    install_plugin: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+def test_the_installed_plugins_load_once_at_the_first_consultation_not_at_construction(
+    install_plugin: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    outcomes: List[AdoptionOutcome],
 ) -> None:
+    """Constructing Megatron optimizers and loading with adoption off import no plugin; the
+    first load that consults the process-wide registry registers it, once, after the built-in
+    adopters, and it is asked from then on."""
     registry = default_registry()
-    monkeypatch.setattr(
-        registry, "_plugin_group", "megatron_core.optimizer_state_adopters"
-    )  # a new process
-    install_plugin("routing_plugin_dist", {"routing_plugin": "routing_plugin_dist:RoutingPlugin"}, PLUGIN,
-                   "megatron_core.optimizer_state_adopters")  # fmt: skip
-    before = {handle.id for _, handle in registry.registrations()}
-    try:
-        _Constructed(_adam(), config_with(optimizer_state_adoption=False))
-        assert "routing_plugin" not in [adopter.name for adopter, _ in registry.registrations()]
-        for _ in range(2):
-            _Constructed(_adam(), OptimizerConfig())
-        names = [adopter.name for adopter, _ in registry.registrations()]
-        assert names.count("routing_plugin") == 1 and names.index(
-            "te_fused_adam_fp32"
-        ) < names.index("routing_plugin")
-    finally:
-        for _, handle in registry.registrations():
-            if handle.id not in before:
-                handle.remove()
+    monkeypatch.setattr(registry, "_plugin_group", PLUGIN_GROUP)  # plugins not loaded yet
+    monkeypatch.setattr(registry, "_adopters", OrderedDict(registry._adopters))  # undone after
+    install_plugin("routing_plugin_dist", {"routing_plugin": "routing_plugin_dist:RoutingPlugin"},
+                   PLUGIN, PLUGIN_GROUP)  # fmt: skip
+    owners = [_Constructed(_adam(), OptimizerConfig()) for _ in range(2)]
+    off = _Constructed(_adam(), config_with(optimizer_state_adoption=False))
+    off.load_state_dict(_from_disk(off.optimizer))
+    assert "routing_plugin_dist" not in sys.modules and outcomes == []
+    for owner in owners:
+        owner.load_state_dict(_from_disk(owner.optimizer))
+    assert [
+        (o.adopter, o.method, ("routing_plugin", "installed for the routing test") in o.declines)
+        for o in outcomes
+    ] == [(None, "Adam.load_state_dict", True)] * 2
+    names = [adopter.name for adopter in registry.adopters()]
+    assert len(sys.modules["routing_plugin_dist"].made) == names.count("routing_plugin") == 1
+    assert names.index("te_fused_adam_fp32") < names.index("routing_plugin")

@@ -20,7 +20,9 @@ class MyAdam(torch.optim.Adam):
 
 def readme_block() -> str:
     """The first Python block under the README's "Writing an adopter" heading."""
-    section = README.read_text().split("## Writing an adopter", 1)[1]
+    text = README.read_text()
+    assert "## Writing an adopter" in text, "the README has no 'Writing an adopter' section"
+    section = text.split("## Writing an adopter", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match is not None, "the README's adopter section has no python block"
     return match.group(1)
@@ -48,17 +50,19 @@ def trained(cls: type, steps: int = 2) -> torch.optim.Optimizer:
 
 
 def load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any], owns: bool) -> List[Optional[str]]:
-    """Load through the call site; return (adopter, own method) of the outcome."""
+    """Load through the call site; return (adopter, own method, the README adopter's decline)
+    of the outcome."""
     with recorded_outcomes() as outcomes:
         load_inner_optimizer_state_dict(Owner(optimizer), state_dict, owns_state_dict=owns)
     (outcome,) = outcomes
-    return [outcome.adopter, outcome.method]
+    declines = dict(outcome.declines)
+    return [outcome.adopter, outcome.method, declines.get("my_adam")]
 
 
 def test_the_readme_adopter_installs_an_owned_state_dict_by_reference(readme_adopter: Dict[str, Any]) -> None:
     source = cloned_state_dict(trained(MyAdam))
     target = trained(MyAdam, steps=0)
-    assert load(target, source, owns=True) == ["my_adam", None]
+    assert load(target, source, owns=True) == ["my_adam", None, None]
     for index, param in enumerate(p for g in target.param_groups for p in g["params"]):
         assert target.state[param]["exp_avg"] is source["state"][index]["exp_avg"]
     assert target.param_groups[0]["lr"] == 0.1
@@ -67,8 +71,8 @@ def test_the_readme_adopter_installs_an_owned_state_dict_by_reference(readme_ado
 @pytest.mark.parametrize(
     "cls, owns, expected",
     [
-        (MyAdam, False, [None, "MyAdam.load_state_dict"]),  # the caller's dict: Adam's own loader
-        (torch.optim.Adam, True, [None, "Adam.load_state_dict"]),  # not MyAdam
+        (MyAdam, False, [None, "MyAdam.load_state_dict", "the state dict is the caller's"]),
+        (torch.optim.Adam, True, [None, "Adam.load_state_dict", "not MyAdam"]),
     ],
 )
 def test_the_readme_adopter_declines_what_it_says_it_declines(
