@@ -7,6 +7,10 @@ default: the newest, ``DEFAULT_UPSTREAM_VERSION``) or the release named by the f
 sha256-checked every time. ``setup()``'s dependency metadata is derived from its METADATA so
 that what pip resolves before the build matches the built wheel. ``bdist_wheel`` then writes
 the composed wheel (see ``build_tools/compose_wheel.py``).
+
+A build it refuses (an unsupported release, a missing or misnamed wheel, a hash mismatch, a patch
+that does not apply, ...) ends with one framed message saying why and exit status 1, no traceback
+(``build_tools.errors.refusals_framed``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from build_tools.compose_wheel import compose_wheel  # noqa: E402
-from build_tools.errors import ComposeError  # noqa: E402
+from build_tools.errors import ComposeError, refusals_framed  # noqa: E402
 from build_tools.patching import find_patches  # noqa: E402
 from build_tools.releases import DIST_NAME, local_version, select_upstream_version  # noqa: E402
 from build_tools.requirements import requirements_from_metadata  # noqa: E402
@@ -30,7 +34,8 @@ from build_tools.upstream import ensure_upstream_wheel, read_wheel_metadata  # n
 
 UPSTREAM_CACHE_DIR = REPO_ROOT / "build" / "upstream"
 PATCHES_DIR = REPO_ROOT / "patches"
-UPSTREAM_VERSION = select_upstream_version()
+with refusals_framed():
+    UPSTREAM_VERSION = select_upstream_version()
 
 
 class ComposedWheel(bdist_wheel):  # type: ignore[misc]
@@ -38,9 +43,10 @@ class ComposedWheel(bdist_wheel):  # type: ignore[misc]
 
     def run(self) -> None:
         """Compose the wheel from the upstream wheel, the patches and ``megatron/``."""
-        upstream = ensure_upstream_wheel(UPSTREAM_CACHE_DIR, UPSTREAM_VERSION)
-        patches = find_patches(PATCHES_DIR, UPSTREAM_VERSION)
-        wheel = compose_wheel(upstream, REPO_ROOT, patches, Path(self.dist_dir))
+        with refusals_framed():
+            upstream = ensure_upstream_wheel(UPSTREAM_CACHE_DIR, UPSTREAM_VERSION)
+            patches = find_patches(PATCHES_DIR, UPSTREAM_VERSION)
+            wheel = compose_wheel(upstream, REPO_ROOT, patches, Path(self.dist_dir))
         print(f"composed {wheel}", file=sys.stderr)
 
 
@@ -49,12 +55,14 @@ class NoEditableWheel(editable_wheel):  # type: ignore[misc]
 
     def run(self) -> None:
         """Fail with a clear message."""
-        raise ComposeError("editable installs are not supported; use 'pip install .'")
+        with refusals_framed():
+            raise ComposeError("editable installs are not supported; use 'pip install .'")
 
 
-_REQUIREMENTS = requirements_from_metadata(
-    read_wheel_metadata(ensure_upstream_wheel(UPSTREAM_CACHE_DIR, UPSTREAM_VERSION))
-)
+with refusals_framed():
+    _REQUIREMENTS = requirements_from_metadata(
+        read_wheel_metadata(ensure_upstream_wheel(UPSTREAM_CACHE_DIR, UPSTREAM_VERSION))
+    )
 
 setup(
     name=DIST_NAME,

@@ -17,7 +17,7 @@ from typing import Final
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from .errors import ComposeError
+from .errors import ComposeError, UpstreamFetchError
 
 DIST_NAME: Final = "megatron-core"
 LOCAL_VERSION_LABEL: Final = "stateadoption"
@@ -142,6 +142,21 @@ def check_supported(version: str, source: str) -> str:
     return normalised
 
 
+def wheel_file_problem(value: str) -> str | None:
+    """Why ``$MCORE_UPSTREAM_WHEEL=value`` names no wheel file that can be read, or None.
+
+    Checked before the file name, so that a missing file is reported as missing.
+    """
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return f"{UPSTREAM_WHEEL_ENV}={value}: is a directory, not a wheel file"
+    if not path.is_file():
+        return f"{UPSTREAM_WHEEL_ENV}={value}: no such file"
+    if not os.access(path, os.R_OK):
+        return f"{UPSTREAM_WHEEL_ENV}={value}: the file is not readable"
+    return None
+
+
 def release_of_wheel(wheel: Path | str) -> str:
     """Return the supported megatron-core release a wheel file name belongs to; raise otherwise."""
     name = Path(wheel).name
@@ -160,8 +175,9 @@ def release_of_wheel(wheel: Path | str) -> str:
 def select_upstream_version(environ: Mapping[str, str] | None = None) -> str:
     """Return the upstream release to build from the environment.
 
-    ``$MCORE_UPSTREAM_WHEEL`` selects the release in its file name; ``$MCORE_UPSTREAM_VERSION``
-    selects one by number (if both are set they must agree); otherwise the default.
+    ``$MCORE_UPSTREAM_WHEEL`` selects the release in its file name (the file must exist);
+    ``$MCORE_UPSTREAM_VERSION`` selects one by number (if both are set they must agree);
+    otherwise the default.
     """
     env = os.environ if environ is None else environ
     requested = env.get(UPSTREAM_VERSION_ENV, "").strip()
@@ -170,6 +186,9 @@ def select_upstream_version(environ: Mapping[str, str] | None = None) -> str:
     )
     wheel = env.get(UPSTREAM_WHEEL_ENV, "").strip()
     if wheel:
+        problem = wheel_file_problem(wheel)
+        if problem is not None:
+            raise UpstreamFetchError(problem)
         from_wheel = release_of_wheel(wheel)
         if version is not None and version != from_wheel:
             raise UnsupportedReleaseError(

@@ -23,6 +23,7 @@ from .releases import (
     UPSTREAM_WHEEL_ENV,
     release_of_wheel,
     select_upstream_version,
+    wheel_file_problem,
 )
 
 
@@ -122,9 +123,10 @@ def ensure_upstream_wheel(
         version = select_upstream_version(env)
     override = env.get(UPSTREAM_WHEEL_ENV, "").strip()
     if override:
+        problem = wheel_file_problem(override)
+        if problem is not None:
+            raise UpstreamFetchError(problem)
         path = Path(override).expanduser().resolve()
-        if not path.is_file():
-            raise UpstreamFetchError(f"{UPSTREAM_WHEEL_ENV}={override} is not a file")
         if release_of_wheel(path) != version:
             raise UpstreamFetchError(
                 f"{UPSTREAM_WHEEL_ENV}={override} is not a megatron-core {version} wheel"

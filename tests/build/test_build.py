@@ -20,10 +20,12 @@ import os
 import ast
 import re
 import shutil
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from packaging.version import Version
@@ -315,9 +317,9 @@ def test_unknown_version_is_refused_listing_the_supported_ones(value: str) -> No
     assert "0.16.1, 0.17.1, 0.18.2, 0.19.0, 0.19.2 (default 0.19.2)" in message
 
 
-def test_version_inferred_from_offline_wheel_name() -> None:
+def test_version_inferred_from_offline_wheel_name(tmp_path: Path) -> None:
     releases = _load_build_module("releases")
-    env = {"MCORE_UPSTREAM_WHEEL": f"/somewhere/{WHEEL_0171}"}
+    env = {"MCORE_UPSTREAM_WHEEL": str(_empty_file(tmp_path / WHEEL_0171))}
     assert releases.select_upstream_version(env) == "0.17.1"
     assert releases.select_upstream_version({**env, "MCORE_UPSTREAM_VERSION": "0.17.1"}) == "0.17.1"
     with pytest.raises(releases.UnsupportedReleaseError, match="disagrees"):
@@ -328,7 +330,103 @@ def test_version_inferred_from_offline_wheel_name() -> None:
         ("torch-2.6.0-cp312-cp312-manylinux_2_28_x86_64.whl", "not of megatron-core"),
     ]:
         with pytest.raises(releases.UnsupportedReleaseError, match=match):
-            releases.select_upstream_version({"MCORE_UPSTREAM_WHEEL": f"/x/{name}"})
+            path = _empty_file(tmp_path / name)
+            releases.select_upstream_version({"MCORE_UPSTREAM_WHEEL": str(path)})
+
+
+def _empty_file(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def test_an_offline_wheel_that_is_not_there_is_named_as_missing(tmp_path: Path) -> None:
+    """Existence is checked before the file name: a missing wheel is "no such file", whatever
+    its name, and a directory is not taken for a wheel."""
+    releases = _load_build_module("releases")
+    errors = _load_build_module("errors")
+    for value, reason in [
+        ("/nonexistent.whl", "MCORE_UPSTREAM_WHEEL=/nonexistent.whl: no such file"),
+        (str(tmp_path / WHEEL_0171), f"MCORE_UPSTREAM_WHEEL={tmp_path / WHEEL_0171}: no such file"),
+        (str(tmp_path), f"MCORE_UPSTREAM_WHEEL={tmp_path}: is a directory, not a wheel file"),
+    ]:
+        with pytest.raises(errors.UpstreamFetchError) as caught:
+            releases.select_upstream_version({"MCORE_UPSTREAM_WHEEL": value})
+        assert str(caught.value) == reason
+
+
+#: How pip runs setup.py: its build backend's first hook, in a process of its own.
+_BACKEND_HOOK = "from setuptools import build_meta; build_meta.get_requires_for_build_wheel()"
+
+
+def _build_refusal(env_changes: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    pytest.importorskip("setuptools.command.bdist_wheel", reason="setup.py needs setuptools>=70.1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_UPSTREAM_")}
+    return subprocess.run(
+        [sys.executable, "-c", _BACKEND_HOOK], cwd=REPO_ROOT, env={**env, **env_changes},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _framed_text(output: str) -> str:
+    """The text inside the one framed message ``output`` must be (a box of ``+--+`` and ``| |``
+    lines of one width, nothing around it), its lines joined by spaces."""
+    lines = output.strip("\n").splitlines()
+    assert len(lines) >= 3 and len({len(line) for line in lines}) == 1, output
+    assert lines[0] == lines[-1] == "+" + "-" * (len(lines[0]) - 2) + "+", output
+    assert all(line.startswith("| ") and line.endswith(" |") for line in lines[1:-1]), output
+    return " ".join(line[2:-2].strip() for line in lines[1:-1])
+
+
+@pytest.mark.parametrize(
+    "make_env, expected",
+    [
+        (lambda t: {"MCORE_UPSTREAM_VERSION": "0.99.0"},
+         "MCORE_UPSTREAM_VERSION=0.99.0 selects megatron-core '0.99.0', which this build does not "
+         "support; supported releases: 0.16.1, 0.17.1, 0.18.2, 0.19.0, 0.19.2 (default 0.19.2)"),
+        (lambda t: {"MCORE_UPSTREAM_WHEEL": "/nonexistent.whl"},
+         "MCORE_UPSTREAM_WHEEL=/nonexistent.whl: no such file"),
+        (lambda t: {"MCORE_UPSTREAM_WHEEL": str(_empty_file(t / "megatron_core.zip"))},
+         "megatron_core.zip is not a wheel file name"),
+    ],
+    ids=["version", "wheel missing", "wheel misnamed"],
+)  # fmt: skip
+def test_a_refused_build_prints_one_framed_message_and_no_traceback(
+    make_env: Any, expected: str, tmp_path: Path
+) -> None:
+    done = _build_refusal(make_env(tmp_path))
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr and done.stdout == "", done.stderr
+    text = _framed_text(done.stderr)
+    assert len(done.stderr.splitlines()[0]) <= 80  # short messages: a terminal's width
+    assert text.startswith("megatron-core build refused: "), text
+    assert expected in text, text
+
+
+def test_the_frame_keeps_a_long_path_whole() -> None:
+    errors = _load_build_module("errors")
+    path = "/a/" + "b" * 90 + ".whl"
+    box = errors.framed(f"MCORE_UPSTREAM_WHEEL={path}: no such file\nsecond line")
+    assert _framed_text(box) == f"MCORE_UPSTREAM_WHEEL={path}: no such file second line"
+    assert any(line[2:-2].strip() == f"MCORE_UPSTREAM_WHEEL={path}:" for line in box.splitlines())
+
+
+def test_pip_shows_the_framed_refusal(tmp_path: Path) -> None:
+    """``MCORE_UPSTREAM_VERSION=0.99.0 pip install .`` as a user runs it (offline: no index, no
+    build isolation, so nothing is fetched): the box, no traceback, a non-zero exit."""
+    pytest.importorskip("setuptools.command.bdist_wheel", reason="setup.py needs setuptools>=70.1")
+    pytest.importorskip("pip")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MCORE_UPSTREAM_", "PIP_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-deps",
+         "--no-build-isolation", "--disable-pip-version-check", "."],
+        cwd=REPO_ROOT, env={**env, "MCORE_UPSTREAM_VERSION": "0.99.0"}, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "Traceback" not in output, output
+    assert "| megatron-core build refused:" in output, output
+    assert "| MCORE_UPSTREAM_VERSION=0.99.0 selects megatron-core '0.99.0'" in output, output
 
 
 def test_offline_wheel_of_another_release_or_unpinned_file_is_refused(tmp_path: Path) -> None:
