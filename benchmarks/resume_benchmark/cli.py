@@ -11,12 +11,13 @@ Megatron-LM's training code comes from ``--megatron-lm DIR`` (a checkout), ``--m
 DIR`` (a repository; ``--ref``, default the build's release branch ``core_rX.Y.0``), or, with
 neither, a shallow clone of that branch from GitHub into ``--cache-dir``.
 
-Exit status: 0 every run ran; 1 a run failed; 2 a usage error (the command line is checked before
-any work: paths that must exist, output directories, numbers, configurations; one line says why)
-or this machine cannot run the benchmark (no CUDA GPU, too few GPUs, no Transformer Engine); 3
-the sides are wrong (the build is
-not ``V+stateadoption``, upstream is not exactly V, or both are the same); 4 with ``--check``, a
-configuration missed its expectation (each reason printed).
+Exit status: 0 every run ran; 1 a run failed; 2 a usage error (the whole command line is checked
+before any work, and before CUDA is looked for: each number, each path -- those that must exist,
+the directories to write or make --, names and configurations, then how they combine; one line
+names the argument at fault) or this machine cannot run the benchmark (no CUDA GPU, too few GPUs,
+no Transformer Engine); 3 the sides are wrong (the build is not ``V+stateadoption``, upstream is
+not exactly V, or both are the same); 4 with ``--check``, a configuration missed its expectation
+(each reason printed).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from benchmarks.resume_benchmark.configs import (
     CONFIGURATIONS,
@@ -68,6 +69,8 @@ from benchmarks.resume_benchmark.sides import (
 
 EXIT_OK: Final = 0
 EXIT_CRASH: Final = 1
+#: Exit status of a usage error (one line naming the argument at fault).
+EXIT_USAGE: Final = 2
 #: Exit status when this machine cannot run the benchmark (no CUDA GPU or no Transformer Engine).
 EXIT_CANNOT_RUN: Final = 2
 EXIT_WRONG_SIDES: Final = 3
@@ -111,6 +114,17 @@ def check_transformer_engine(probe: Mapping[str, Any]) -> str | None:
     return None
 
 
+class UsageError(ValueError):
+    """A command line the benchmark cannot run; the message is one line naming the argument."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line pointing to ``--help`` (no usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see --help\n")
+
+
 def _configurations(text: str) -> list[str]:
     try:
         return parse_configurations(text)
@@ -120,7 +134,7 @@ def _configurations(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (documented in ``--help``)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m benchmarks.resume_benchmark",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -128,7 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout")
-    source.add_argument("--megatron-lm-git", type=Path, help="a Megatron-LM git repository")
+    source.add_argument(
+        "--megatron-lm-git",
+        type=Path,
+        help="a Megatron-LM git repository: a work tree (its .git is used), a .git directory or a "
+        "bare clone",
+    )
     parser.add_argument(
         "--ref", help="with --megatron-lm-git: branch or commit (default: the build's core_rX.Y.0)"
     )
@@ -153,10 +172,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--build", type=Path, help="the build: DIR or WHEEL (default: this environment's)"
     )
-    parser.add_argument("--cache-dir", type=Path, help=f"default {default_cache_dir()}")
-    parser.add_argument("--work-dir", type=Path, help="logs, checkpoints (default: a temp dir)")
-    parser.add_argument("--train-iters", type=int, default=10)
-    parser.add_argument("--resume-at", type=int, default=5)
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        help=f"wheels, the Megatron-LM clone; made if missing (default {default_cache_dir()})",
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, help="logs, checkpoints; made if missing (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--train-iters", type=int, default=10, help="iterations in all (>= 1; default 10)"
+    )
+    parser.add_argument(
+        "--resume-at",
+        type=int,
+        default=5,
+        help="where the checkpoint is saved and resumed (1 .. --train-iters - 1; default 5)",
+    )
     parser.add_argument(
         "--deterministic",
         action="store_true",
@@ -166,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--worker-timeout", type=float, default=1800.0, help="seconds per run (> 0)"
     )
-    parser.add_argument("--json-out", type=Path)
-    parser.add_argument("--markdown-out", type=Path)
+    parser.add_argument("--json-out", type=Path, help="a file in an existing directory")
+    parser.add_argument("--markdown-out", type=Path, help="a file in an existing directory")
     parser.add_argument(
         "--figures-dir", type=Path, help="one PNG per configuration, and figures.md linking them"
     )
@@ -177,101 +209,247 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 4 unless every configuration meets its expectation",
     )
     parser.add_argument(
+        "--check-command-line",
+        action="store_true",
+        help="only check the command line and exit (0: it would run; 2: one line says why not); "
+        "needs no GPU",
+    )
+    parser.add_argument(
         "--allow-non-stateadoption-build", action="store_true", help=argparse.SUPPRESS
     )
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
 
-def _output_problem(flag: str, path: Path | None, directory: bool = False) -> str | None:
-    """Why ``path`` (an output file, or with ``directory`` a folder made if missing) cannot be
-    written at the end of the run, or None."""
+def _nearest_existing(path: Path) -> Path:
+    """The nearest ancestor of ``path`` that exists (``/`` at worst)."""
+    parent = path.absolute().parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    return parent
+
+
+def _missing(path: Path, what: str) -> str:
+    """Why ``path``, which does not exist, is not there: a file in the way, else ``no such``."""
+    blocking = _nearest_existing(path)
+    if os.path.isdir(blocking):
+        return f"no such {what}"
+    if blocking == path.absolute().parent:
+        return f"its parent {blocking} is a file, not a directory"
+    return f"{blocking} is a file, not a directory"
+
+
+def _writable(directory: Path | str) -> bool:
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def _input_dir_problem(flag: str, path: Path) -> str | None:
+    """Why ``path`` is no directory that can be read, or None."""
+    if os.path.isdir(path):
+        readable = os.access(path, os.R_OK | os.X_OK)
+        return None if readable else f"{flag} {path}: the directory is not readable"
+    if os.path.lexists(path):
+        return f"{flag} {path}: is a file, not a directory"
+    return f"{flag} {path}: {_missing(path, 'directory')}"
+
+
+def _output_problem(
+    flag: str, path: Path | None, directory: bool = False, parents: bool = False
+) -> str | None:
+    """Why ``path`` -- an output file, or with ``directory`` a folder made if missing (with
+    ``parents``, its missing parents too) -- cannot be written, or None."""
     if path is None:
         return None
-    if directory and path.is_dir():
-        return None if os.access(path, os.W_OK) else f"{flag} {path}: the directory is not writable"
-    if path.exists() and (directory or path.is_dir()):
-        kind = "a directory" if directory else "a file"
-        return f"{flag} {path}: exists and is not {kind}"
+    kind = "directory" if directory else "file"
+    if os.path.isdir(path):
+        if not directory:
+            return f"{flag} {path}: is a directory, not a file"
+        return None if _writable(path) else f"{flag} {path}: the directory is not writable"
+    if os.path.lexists(path):
+        if directory:
+            return f"{flag} {path}: is a file, not a directory"
+        return None if os.access(path, os.W_OK) else f"{flag} {path}: exists and is not writable"
     parent = path.absolute().parent
-    if not parent.is_dir():
+    blocking = _nearest_existing(path)
+    if not os.path.isdir(blocking):
+        return f"{flag} {path}: {_missing(path, kind)}"
+    if blocking != parent and not parents:
         return f"{flag} {path}: its parent directory {parent} does not exist"
-    if not os.access(parent, os.W_OK):
-        return f"{flag} {path}: its parent directory {parent} is not writable"
+    if not _writable(blocking):
+        if blocking == parent:
+            return f"{flag} {path}: its parent directory {parent} is not writable"
+        return f"{flag} {path}: cannot be made: {blocking} is not writable"
     return None
 
 
 def _side_path_problem(flag: str, path: Path | None) -> str | None:
-    if path is None or path.is_dir() or (path.is_file() and path.suffix == ".whl"):
+    """Why ``path`` is neither a site (a directory) nor a wheel that can be read, or None."""
+    if path is None:
         return None
-    if not path.exists():
-        return f"{flag} {path}: no such directory or wheel"
-    return f"{flag} {path}: neither a directory (a site) nor a wheel (*.whl)"
+    if os.path.isdir(path):
+        return _input_dir_problem(flag, path)
+    if os.path.isfile(path) and path.suffix == ".whl":
+        return None if os.access(path, os.R_OK) else f"{flag} {path}: the wheel is not readable"
+    if os.path.lexists(path):
+        return f"{flag} {path}: neither a directory (a site) nor a wheel (*.whl)"
+    return f"{flag} {path}: {_missing(path, 'directory or wheel')}"
 
 
-def _git_problem(git_dir: Path, ref: str | None) -> str | None:
-    """Why ``git_dir`` is no git repository, or ``ref`` no commit in it; None when both are."""
-    if not git_dir.is_dir():
-        return f"--megatron-lm-git {git_dir}: no such directory"
-    git = ["git", "--git-dir", str(git_dir)]
-    try:
-        found = subprocess.run([*git, "rev-parse", "--git-dir"], capture_output=True, check=False)
-    except OSError as exc:
-        return f"--megatron-lm-git {git_dir}: git cannot run ({exc})"
-    if found.returncode != 0:
-        hint = " (a work tree: give its .git directory)" if (git_dir / ".git").exists() else ""
-        return f"--megatron-lm-git {git_dir}: not a git directory{hint}"
-    if ref is not None:
-        verify = [*git, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"]
-        if subprocess.run(verify, capture_output=True, check=False).returncode != 0:
-            return f"--ref {ref}: no such branch, tag or commit in {git_dir}"
-    return None
+def _git(git_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["git", "--git-dir", str(git_dir), *args], capture_output=True, text=True, check=False
+    )
 
 
-def command_line_problem(args: argparse.Namespace) -> str | None:
-    """The first reason the command line cannot run, found before any work (no probe, no
-    install, no download), or None. Each is one line; ``main`` exits 2 with it."""
+def git_directory(path: Path) -> Path:
+    """The git directory of ``--megatron-lm-git path``: ``path`` itself (a bare clone or a
+    ``.git`` directory) or, for a work tree, its ``.git`` (a directory, or a file naming one).
+
+    Raises:
+        UsageError: ``path`` is none of these (or git cannot run).
+    """
+    flag = "--megatron-lm-git"
+    problem = _input_dir_problem(flag, path)
+    if problem is not None:
+        raise UsageError(problem)
+    for candidate in (path, path / ".git"):
+        if not os.path.lexists(candidate):
+            continue
+        try:
+            found = _git(candidate, "rev-parse", "--absolute-git-dir")
+        except OSError as exc:
+            raise UsageError(f"{flag} {path}: git cannot run ({exc})") from None
+        if found.returncode == 0:
+            return Path(found.stdout.strip())
+    raise UsageError(
+        f"{flag} {path}: not a git repository (neither a git directory, such as a bare clone or "
+        "a work tree's .git, nor a work tree)"
+    )
+
+
+def _positive_integer(flag: str, value: int) -> None:
+    if value < 1:
+        raise UsageError(f"{flag} {value}: must be a positive integer")
+
+
+def _raise(problem: str | None) -> None:
+    """Raise :class:`UsageError` for ``problem``, if there is one."""
+    if problem is not None:
+        raise UsageError(problem)
+
+
+def _cache_dir_used(args: argparse.Namespace) -> bool:
+    """Whether the run writes into the cache directory: a wheel to install, upstream to
+    download, or Megatron-LM to clone."""
+    wheels = [p for p in (args.upstream, args.build) if p is not None and p.suffix == ".whl"]
+    clone = args.megatron_lm is None and args.megatron_lm_git is None
+    return bool(wheels) or args.upstream is None or clone
+
+
+def checked_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` checked before any work (no probe, install, download or clone, and no CUDA):
+    each number on its own, each path (what must exist exists; what is written or made can be),
+    each name, then how the arguments combine. Returns a copy with the paths' ``~`` expanded and
+    ``--megatron-lm-git`` the git directory it names.
+
+    Raises:
+        UsageError: the first problem, one line naming the argument at fault.
+    """
+    args = argparse.Namespace(**vars(args))
+    for name, value in vars(args).items():
+        if isinstance(value, Path):
+            setattr(args, name, value.expanduser())
     script_args = script_arguments(args)
-    checks: list[str | None] = []
+    # each number on its own
+    _positive_integer("--train-iters", args.train_iters)
+    _positive_integer("--resume-at", args.resume_at)
+    _positive_integer("--nproc-per-node", args.nproc_per_node)
+    timeout = args.worker_timeout
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"--worker-timeout {timeout:g}: must be a positive number of seconds")
+    # names
+    if args.script_args and args.script_args[0] != "--":
+        raise UsageError(
+            f"{args.script_args[0]}: unexpected argument (pretrain_gpt.py arguments go after --)"
+        )
+    if args.name is not None:
+        if not args.name.strip():
+            raise UsageError(f"--name {args.name!r}: must not be empty")
+        if "/" in args.name or args.name in (".", ".."):
+            raise UsageError(
+                f"--name {args.name}: must not contain '/' (it names the run's directory in the "
+                "work directory)"
+            )
+    if args.ref is not None and not args.ref.strip():
+        raise UsageError(f"--ref {args.ref!r}: must not be empty")
+    # paths
     if args.megatron_lm is not None:
-        if not args.megatron_lm.is_dir():
-            checks.append(f"--megatron-lm {args.megatron_lm}: no such directory")
-        elif not (args.megatron_lm / SCRIPT).is_file():
-            checks.append(
+        _raise(_input_dir_problem("--megatron-lm", args.megatron_lm))
+        if not (args.megatron_lm / SCRIPT).is_file():
+            raise UsageError(
                 f"--megatron-lm {args.megatron_lm}: not a Megatron-LM checkout (no {SCRIPT})"
             )
-        if args.ref is not None:
-            checks.append(
-                f"--ref {args.ref}: --megatron-lm is a checkout, used as it is; --ref selects a "
-                "commit of --megatron-lm-git DIR (or of the release clone)"
-            )
-    if args.megatron_lm_git is not None:
-        checks.append(_git_problem(args.megatron_lm_git, args.ref))
+    given_git = args.megatron_lm_git
+    if given_git is not None:
+        args.megatron_lm_git = git_directory(given_git)
+    _raise(_side_path_problem("--upstream", args.upstream))
+    _raise(_side_path_problem("--build", args.build))
+    if args.cache_dir is not None:
+        _raise(_output_problem("--cache-dir", args.cache_dir, directory=True, parents=True))
+    elif _cache_dir_used(args):
+        default = default_cache_dir()
+        problem = _output_problem("--cache-dir", default, directory=True, parents=True)
+        if problem is not None:
+            raise UsageError(f"{problem} (the default: give --cache-dir)")
+    _raise(_output_problem("--work-dir", args.work_dir, directory=True, parents=True))
+    _raise(_output_problem("--json-out", args.json_out))
+    _raise(_output_problem("--markdown-out", args.markdown_out))
+    _raise(_output_problem("--figures-dir", args.figures_dir, directory=True))
+    # how they combine
+    if args.resume_at >= args.train_iters:
+        raise UsageError(
+            f"--resume-at {args.resume_at}: must be less than --train-iters {args.train_iters}"
+        )
+    if args.megatron_lm is not None and args.ref is not None:
+        raise UsageError(
+            f"--ref {args.ref}: --megatron-lm is a checkout, used as it is; --ref selects a "
+            "commit of --megatron-lm-git DIR (or of the release clone)"
+        )
+    if given_git is not None and args.ref is not None:
+        verify = ["rev-parse", "--verify", "--quiet", f"{args.ref}^{{commit}}"]
+        if _git(args.megatron_lm_git, *verify).returncode != 0:
+            raise UsageError(f"--ref {args.ref}: no such branch, tag or commit in {given_git}")
     if script_args and args.size is not None:
-        checks.append(
+        raise UsageError(
             f"--size {args.size}: sizes the built-in configurations; the pretrain_gpt.py "
             "arguments after -- set the model themselves"
         )
     if args.name is not None and not script_args:
-        checks.append(
+        raise UsageError(
             f"--name {args.name}: names the run of your pretrain_gpt.py arguments after --; the "
             "built-in configurations have their own names"
         )
-    if args.nproc_per_node < 1:
-        checks.append(f"--nproc-per-node {args.nproc_per_node}: must be at least 1")
-    timeout = args.worker_timeout
-    if not (math.isfinite(timeout) and timeout > 0):
-        checks.append(f"--worker-timeout {timeout:g}: must be a positive number of seconds")
-    checks += [
-        _side_path_problem("--upstream", args.upstream),
-        _side_path_problem("--build", args.build),
-        _output_problem("--json-out", args.json_out),
-        _output_problem("--markdown-out", args.markdown_out),
-        _output_problem("--figures-dir", args.figures_dir, directory=True),
-    ]
-    if args.work_dir is not None and args.work_dir.exists() and not args.work_dir.is_dir():
-        checks.append(f"--work-dir {args.work_dir}: exists and is not a directory")
-    return next((problem for problem in checks if problem is not None), None)
+    if args.configs and script_args:
+        raise UsageError(
+            "--configs: give --configs or pretrain_gpt.py arguments after --, not both"
+        )
+    outputs = [p for p in (args.json_out, args.markdown_out) if p is not None]
+    if len(outputs) == 2 and os.path.realpath(outputs[0]) == os.path.realpath(outputs[1]):
+        raise UsageError(f"--markdown-out {args.markdown_out}: the same file as --json-out")
+    try:
+        requested_runs(args)  # the pretrain_gpt.py arguments the client refuses
+    except ClientUsageError as exc:
+        raise UsageError(str(exc)) from None
+    return args
+
+
+def command_line_problem(args: argparse.Namespace) -> str | None:
+    """The first reason the command line cannot run (:func:`checked_arguments`), or None."""
+    try:
+        checked_arguments(args)
+    except UsageError as exc:
+        return str(exc)
+    return None
 
 
 def _probe(workspace: Workspace, side: Side) -> dict[str, Any]:
@@ -408,15 +586,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; see the module docstring for exit statuses."""
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        requested = requested_runs(args)
-        RunPlan(args.train_iters, args.resume_at, args.deterministic, Path("."))
-    except ClientUsageError as exc:
+        args = checked_arguments(parser.parse_args(argv))
+    except UsageError as exc:
         parser.error(str(exc))
-    problem = command_line_problem(args)
-    if problem is not None:
-        parser.error(problem)
+    if args.check_command_line:
+        return EXIT_OK
+    requested = requested_runs(args)
     missing = check_cuda(args.nproc_per_node)
     if missing is not None:
         eprint(cannot_run_message(missing))
