@@ -1,29 +1,34 @@
 """``scripts/run-benchmark.sh``: the main job's entry, on a machine without a GPU and offline,
 and the environment it makes.
 
-Without a visible NVIDIA GPU it must say so and exit 2. On a GPU machine without internet it
-must not touch a package index: ``WHEELHOUSE=DIR`` installs only from DIR and skips pip's
-self-upgrade, ``BUILD=WHEEL`` installs that wheel instead of building the checkout (which needs
-the index for setuptools and the upstream wheel), ``BUILD=DIR`` installs nothing and hands the
-benchmark ``--build DIR``. The GPU is faked by an ``nvidia-smi`` on ``PATH`` that lists one
-device, the index by an unreachable ``PIP_INDEX_URL``; the benchmark runs ``--help`` (it needs
-no GPU), which proves the venv and the command line it was given.
+``--help`` works anywhere. Every argument (the benchmark's and the script's ``VENV``,
+``WHEELHOUSE``, ``BUILD``) is checked before the GPU check and before any venv or install: a
+usage error is one line naming the argument, with "see --help", and exit 2. Without a visible
+NVIDIA GPU valid arguments get one message saying why it cannot run, and exit 2. On a GPU machine
+without internet it must not touch a package index: ``WHEELHOUSE=DIR`` installs only from DIR and
+skips pip's self-upgrade, ``BUILD=WHEEL`` installs that wheel instead of building the checkout
+(which needs the index for setuptools and the upstream wheel), ``BUILD=DIR`` installs nothing and
+hands the benchmark ``--build DIR``. The GPU is faked by an ``nvidia-smi`` on ``PATH`` that lists
+one device, the index by an unreachable ``PIP_INDEX_URL``; the benchmark then runs in the venv
+and stops at its own CUDA check (torch sees no CUDA device here), which proves the venv and the
+command line it was given.
 
-The benchmark's venv must see the packages of the Python that runs the script (issue #29): run
-from a virtual environment whose torch lives in it, ``python -m venv --system-site-packages``
-would see the base interpreter's site-packages instead, so the venv is layered over it. The
-tests build that layout for real: an outer venv (made here, without pip) holding a stand-in
-``torch`` and ``transformer_engine`` (or, for the offline install, this environment's packages
-through a ``.pth`` file, as a user's venv holds its torch), ``PYTHON`` its interpreter.
+The benchmark's venv must see the packages of the Python that runs the script: run from a
+virtual environment whose torch lives in it, ``python -m venv --system-site-packages`` would see
+the base interpreter's site-packages instead, so the venv is layered over it. The tests build
+that layout for real: an outer venv (made here, without pip) holding a stand-in ``torch`` and
+``transformer_engine`` (or, for the offline install, this environment's packages through a
+``.pth`` file, as a user's venv holds its torch), ``PYTHON`` its interpreter.
 """
 
 import os
 import subprocess
 import sys
 import sysconfig
+import time
 import venv
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import pytest
 
@@ -51,13 +56,27 @@ def _site(venv_dir: Path) -> Path:
     return next(venv_dir.glob("lib/python*/site-packages"))
 
 
+#: What the stand-in ``torch`` has beyond its version: no CUDA device, as on this machine.
+CPU_ONLY_TORCH = """
+class cuda:
+    @staticmethod
+    def is_available():
+        return False
+
+
+class version:
+    cuda = None
+"""
+
+
 def _outer_venv_with_stand_ins(path: Path, torch_version: str = "2.11.0") -> Path:
-    """An outer venv whose site-packages hold a stand-in ``torch`` and ``transformer_engine``
-    (a package and its dist-info each, as pip installs them)."""
+    """An outer venv whose site-packages hold a stand-in ``torch`` (CPU-only) and
+    ``transformer_engine`` (a package and its dist-info each, as pip installs them)."""
     site = _site(_outer_venv(path))
     for name, version in (("torch", torch_version), ("transformer_engine", "2.20.2")):
         (site / name).mkdir()
-        (site / name / "__init__.py").write_text(f"__version__ = {version!r}\n")
+        extra = CPU_ONLY_TORCH if name == "torch" else ""
+        (site / name / "__init__.py").write_text(f"__version__ = {version!r}\n{extra}")
         dist_info = site / f"{name}-{version}.dist-info"
         dist_info.mkdir()
         (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
@@ -102,27 +121,115 @@ def _run(env_changes: Dict[str, str], path_prefix: Optional[Path], *args: str) -
     )
 
 
+def _valid_args(tmp_path: Path) -> list:
+    """Benchmark arguments that pass every check (a stand-in checkout, a fresh cache dir)."""
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text("")
+    return ["--megatron-lm", str(checkout), "--cache-dir", str(tmp_path / "cache"), "--size", "tiny"]
+
+
+def _ran_in_the_venv(result: "subprocess.CompletedProcess[str]") -> None:
+    """The benchmark ran in the venv with its arguments and stopped at its own CUDA check."""
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("resume_benchmark: ") and last.endswith("so it cannot run here."), last
+
+
 def test_without_a_gpu_it_says_why_and_exits_2(tmp_path: Path) -> None:
-    result = _run({"VENV": str(tmp_path / "never-made")}, None, "--help")
+    result = _run({"VENV": str(tmp_path / "never-made")}, None, *_valid_args(tmp_path))
     assert result.returncode == 2
     assert "no NVIDIA GPU is visible" in result.stderr
     assert not (tmp_path / "never-made").exists()
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "gpu"])
+def test_help_works_anywhere_and_makes_nothing(tmp_path: Path, flag: str, gpu: bool) -> None:
+    result = _run({"VENV": str(tmp_path / "never-made")}, _fake_gpu(tmp_path) if gpu else None,
+                  "--size", "bogus", flag)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: bash scripts/run-benchmark.sh"), result.stdout
+    assert "usage: python -m benchmarks.resume_benchmark" in result.stdout
+    assert "WHEELHOUSE=DIR" in result.stdout and "--check-command-line" in result.stdout
+    assert result.stderr == ""
+    assert not (tmp_path / "never-made").exists()
+
+
+def _a_file(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    path.write_text("")
+    return path
+
+
+# (id, environment changes, benchmark arguments, the one line), each from tmp_path (t)
+USAGE_ERRORS = [
+    ("size", lambda t: {}, lambda t: ["--size", "bogus"],  # the choices quoted or not: Python's own
+     "python -m benchmarks.resume_benchmark: error: argument --size: invalid choice: 'bogus' "
+     "(choose from ...; see --help"),
+    ("train-iters", lambda t: {}, lambda t: ["--train-iters", "-5"],
+     "python -m benchmarks.resume_benchmark: error: --train-iters -5: must be a positive "
+     "integer; see --help"),
+    ("work-dir under a file", lambda t: {}, lambda t: ["--work-dir", str(_a_file(t, "f") / "work")],
+     "python -m benchmarks.resume_benchmark: error: --work-dir {t}/f/work: its parent {t}/f is "
+     "a file, not a directory; see --help"),
+    ("cache-dir a file", lambda t: {}, lambda t: ["--cache-dir", str(_a_file(t, "cache"))],
+     "python -m benchmarks.resume_benchmark: error: --cache-dir {t}/cache: is a file, not a "
+     "directory; see --help"),
+    ("VENV under a file", lambda t: {"VENV": str(_a_file(t, "f") / "venv")}, lambda t: [],
+     "run-benchmark.sh: error: VENV={t}/f/venv: its parent {t}/f is a file, not a directory; "
+     "see --help"),
+    ("VENV a file", lambda t: {"VENV": str(_a_file(t, "venv"))}, lambda t: [],
+     "run-benchmark.sh: error: VENV={t}/venv: is a file, not a directory; see --help"),
+    ("WHEELHOUSE missing", lambda t: {"WHEELHOUSE": str(t / "nowhere")}, lambda t: [],
+     "run-benchmark.sh: error: WHEELHOUSE={t}/nowhere: no such directory; see --help"),
+    ("WHEELHOUSE a file", lambda t: {"WHEELHOUSE": str(_a_file(t, "wheels"))}, lambda t: [],
+     "run-benchmark.sh: error: WHEELHOUSE={t}/wheels: is a file, not a directory; see --help"),
+    ("BUILD missing", lambda t: {"BUILD": str(t / "missing.whl")}, lambda t: [],
+     "run-benchmark.sh: error: BUILD={t}/missing.whl: no such file or directory; see --help"),
+    ("BUILD no wheel", lambda t: {"BUILD": str(_a_file(t, "build.tar"))}, lambda t: [],
+     "run-benchmark.sh: error: BUILD={t}/build.tar: is neither a wheel (*.whl) nor a "
+     "directory; see --help"),
+    ("PYTHON no Python 3.12", lambda t: {"PYTHON": str(t / "no-python")}, lambda t: [],
+     "run-benchmark.sh: error: PYTHON={t}/no-python: not a Python >= 3.12 interpreter; see --help"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "gpu"])
+@pytest.mark.parametrize(
+    "environment, arguments, line", [c[1:] for c in USAGE_ERRORS], ids=[c[0] for c in USAGE_ERRORS]
+)
+def test_a_usage_error_is_one_line_before_the_gpu_check_and_any_venv(
+    tmp_path: Path, environment: Any, arguments: Any, line: str, gpu: bool
+) -> None:
+    """Checked before the GPU check (the same line with and without a GPU) and before the venv
+    is made or anything installed (fast: no pip)."""
+    changes = {"VENV": str(tmp_path / "never-made"), **environment(tmp_path)}
+    argv = [*_valid_args(tmp_path), *arguments(tmp_path)]
+    began = time.monotonic()
+    result = _run(changes, _fake_gpu(tmp_path) if gpu else None, *argv)
+    assert result.returncode == 2, result.stderr
+    (error,) = result.stderr.splitlines()
+    head, elided, tail = line.format(t=tmp_path).partition("...")
+    assert (error.startswith(head) and error.endswith(tail)) if elided else error == head, error
+    assert result.stdout == ""
+    assert not (tmp_path / "never-made").exists()
+    assert time.monotonic() - began < 60
 
 
 def test_offline_with_the_build_as_a_directory_installs_nothing(tmp_path: Path) -> None:
     build_site = tmp_path / "build-site"
     build_site.mkdir()
     environment = {"VENV": str(tmp_path / "venv"), "WHEELHOUSE": str(tmp_path), "BUILD": str(build_site)}
-    result = _run(environment, _fake_gpu(tmp_path), "--help")
-    assert result.returncode == 0, result.stderr
+    result = _run(environment, _fake_gpu(tmp_path), *_valid_args(tmp_path))
+    _ran_in_the_venv(result)
     assert f"using the build in {build_site} (nothing installed)" in result.stderr
     assert "offline: installing only from" in result.stderr
-    assert "usage: python -m benchmarks.resume_benchmark" in result.stdout
 
 
 def test_offline_with_the_build_as_a_wheel_uses_only_the_wheelhouse(tmp_path: Path) -> None:
-    """The README's offline command, run from a user's venv that has torch (issue #29: the
-    benchmark's venv saw the base interpreter's packages, and pip found no torch>=2.6)."""
+    """The README's offline command, run from a user's venv that has torch: the benchmark's venv
+    sees that venv's packages (not its base interpreter's, where pip would find no torch>=2.6)."""
     from build_tools.compose_wheel import compose_wheel
     from build_tools.patching import find_patches
     from build_tools.releases import select_upstream_version
@@ -136,9 +243,8 @@ def test_offline_with_the_build_as_a_wheel_uses_only_the_wheelhouse(tmp_path: Pa
     inner = tmp_path / "benchmark-venv"
     environment = {"PYTHON": str(outer / "bin" / "python"), "VENV": str(inner),
                    "WHEELHOUSE": str(wheelhouse), "BUILD": str(wheel)}  # fmt: skip
-    result = _run(environment, _fake_gpu(tmp_path), "--help")
-    assert result.returncode == 0, result.stderr
-    assert "usage: python -m benchmarks.resume_benchmark" in result.stdout
+    result = _run(environment, _fake_gpu(tmp_path), *_valid_args(tmp_path))
+    _ran_in_the_venv(result)
     assert f"made {inner} from the virtual environment {outer}, layered over it" in result.stderr
     # installed into the venv, from the wheelhouse alone (the index is unreachable); torch,
     # the build's requirement, is the outer venv's
@@ -157,9 +263,14 @@ def test_a_venv_inside_a_venv_sees_the_outer_venvs_packages(tmp_path: Path) -> N
     environment = {"PYTHON": str(outer / "bin" / "python"), "VENV": str(inner),
                    "WHEELHOUSE": str(tmp_path), "BUILD": str(site)}  # fmt: skip
     gpu = _fake_gpu(tmp_path)
-    result = _run(environment, gpu, "--help")
-    assert result.returncode == 0, result.stderr
-    assert "usage: python -m benchmarks.resume_benchmark" in result.stdout
+    argv = _valid_args(tmp_path)
+    result = _run(environment, gpu, *argv)
+    _ran_in_the_venv(result)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "resume_benchmark: no CUDA device is available (torch 2.11.0, CUDA runtime none (CPU-only"
+        " build)). This benchmark measures a GPU memory peak (torch.cuda.max_memory_allocated) while"
+        " Transformer Engine's FusedAdam state is restored on a CUDA GPU, so it cannot run here."
+    )  # the venv's python ran the benchmark, with the outer venv's torch
     lines = [line for line in result.stderr.splitlines() if "benchmark environment:" in line]
     assert len(lines) == 1, result.stderr
     outer_site = _site(outer)
@@ -173,8 +284,8 @@ def test_a_venv_inside_a_venv_sees_the_outer_venvs_packages(tmp_path: Path) -> N
     assert "include-system-site-packages = false" in (inner / "pyvenv.cfg").read_text()
 
     other = _outer_venv_with_stand_ins(tmp_path / "other-venv", torch_version="2.12.0")
-    result = _run({**environment, "PYTHON": str(other / "bin" / "python")}, gpu, "--help")
-    assert result.returncode == 0, result.stderr
+    result = _run({**environment, "PYTHON": str(other / "bin" / "python")}, gpu, *argv)
+    _ran_in_the_venv(result)
     assert f"benchmark environment: updated {inner} for the virtual environment {other}" in result.stderr
     assert f"it sees torch 2.12.0 ({_site(other)})" in result.stderr
     assert _inner_python_sees(inner, "torch") == str(_site(other) / "torch" / "__init__.py")
@@ -187,8 +298,8 @@ def test_a_python_that_is_no_venv_gives_its_site_packages(tmp_path: Path) -> Non
     site.mkdir()
     inner = tmp_path / "benchmark-venv"
     environment = {"PYTHON": str(base), "VENV": str(inner), "WHEELHOUSE": str(tmp_path), "BUILD": str(site)}
-    result = _run(environment, _fake_gpu(tmp_path), "--help")
-    assert result.returncode == 0, result.stderr
+    result = _run(environment, _fake_gpu(tmp_path), *_valid_args(tmp_path))
+    _ran_in_the_venv(result)
     assert f"benchmark environment: made {inner} from the Python at " in result.stderr
     assert "with its site-packages (--system-site-packages)" in result.stderr
     assert "include-system-site-packages = true" in (inner / "pyvenv.cfg").read_text()
@@ -202,24 +313,9 @@ def test_a_given_environment_is_used_as_it_is(tmp_path: Path) -> None:
     site = tmp_path / "build-site"
     site.mkdir()
     environment = {"VENV": str(given), "WHEELHOUSE": str(tmp_path), "BUILD": str(site)}
-    result = _run(environment, _fake_gpu(tmp_path), "--help")
-    assert result.returncode == 0, result.stderr
+    result = _run(environment, _fake_gpu(tmp_path), *_valid_args(tmp_path))
+    _ran_in_the_venv(result)
     assert f"benchmark environment: using VENV={given} as it is (not made by this script)" in result.stderr
     assert f"it sees torch 2.11.0 ({_site(given)})" in result.stderr
     assert (given / "pyvenv.cfg").read_text() == config
     assert not (_site(given) / "_resume_benchmark_layer.pth").exists()
-
-
-def test_a_build_that_is_neither_a_wheel_nor_a_directory_is_refused(tmp_path: Path) -> None:
-    environment = {"VENV": str(tmp_path / "venv"), "WHEELHOUSE": str(tmp_path), "BUILD": str(tmp_path / "missing.tar")}
-    result = _run(environment, _fake_gpu(tmp_path), "--help")
-    assert result.returncode == 2
-    assert "is neither a wheel (*.whl) nor a directory" in result.stderr
-
-
-@pytest.mark.parametrize("missing", ["WHEELHOUSE"])
-def test_a_wheelhouse_that_is_no_directory_is_refused(tmp_path: Path, missing: str) -> None:
-    environment = {"VENV": str(tmp_path / "venv"), missing: str(tmp_path / "nowhere")}
-    result = _run(environment, _fake_gpu(tmp_path), "--help")
-    assert result.returncode == 2
-    assert f"WHEELHOUSE={tmp_path / 'nowhere'} is not a directory" in result.stderr
