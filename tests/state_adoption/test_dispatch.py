@@ -666,10 +666,7 @@ class _Interrupting(DecliningAdopter):
     export_decline_reason = initialize_decline_reason = read_target_decline_reason = decline_reason
 
 
-INTERRUPTED = [pytest.param(case, id=case.point) for case in CASES[:3]] + [pytest.param(
-    READ, id="read", marks=pytest.mark.xfail(strict=True, reason=(
-        "core bug: an interrupted read's outcome names get_unscaled_state as the method that ran, "
-        "although nothing of upstream's ran (_Read.finish reports own_label() whenever no adopter was chosen)")))]  # fmt: skip
+INTERRUPTED = [pytest.param(case, id=case.point) for case in CASES[:3] + [READ]]
 
 
 @pytest.mark.parametrize("case", INTERRUPTED)

@@ -179,7 +179,7 @@ class _Read(HookPoint[torch.Tensor]):
         super().__init__(owner, registry)
         self.owner = owner
         self.adopter: Optional[StateAdopter] = None
-        self.consulted = False
+        self.consulted = self.own_ran = False
         self.reason: Optional[str] = None
         self.targets: List[torch.Tensor] = []
 
@@ -233,6 +233,7 @@ class _Read(HookPoint[torch.Tensor]):
                 self.reason = f"adopter {self.adopter.name!r} failed for {name}"
                 self.adopter = None
                 self.registry.fall_back(self.reason, error, "get_unscaled_state serves the rest")
+        self.own_ran = True
         unscaled = self.own()
         self.targets.append(unscaled)
         return unscaled
@@ -243,7 +244,7 @@ class _Read(HookPoint[torch.Tensor]):
             return
         if self.registry.observed:
             OutcomeRecord(self).report(
-                self.adopter, None if self.adopter else self.own_label(), self.reason,
+                self.adopter, self.own_label() if self.own_ran else None, self.reason,
                 self.targets, error,
             )  # fmt: skip
         else:

@@ -120,7 +120,8 @@ class Snapshot:
 
         Containers are compared by the identity of their items; tensors by their versions.
         """
-        for name in set(self._kept) | set(self._attributes):
+        names = list(self._kept) + [name for name in self._attributes if name not in self._kept]
+        for name in names:
             if changeable is None or name in changeable:
                 continue
             if not _same_attribute(
@@ -293,11 +294,11 @@ def run(point: HookPoint[T]) -> T:
     record = OutcomeRecord(point) if point.registry.observed else None
     adopter: Optional[StateAdopter] = None
     reason = point.gate_reason()
-    if reason is None and not point.registry.adopters():
-        reason = "no adopter is registered"
     method: Optional[str] = None
     result: Any = None
     try:
+        if reason is None and not point.registry.adopters():
+            reason = "no adopter is registered"
         if reason is None:
             snapshot = Snapshot(point.optimizer, point.context.state_dict)
             accepting, reason = consult(point, snapshot)
