@@ -26,8 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 #: entry is removed with the last marker of its file (test_pending_rewrite_lists_only_files_with_hits).
 PENDING_REWRITE: frozenset[str] = frozenset(
     {
-        "README.md",
-        "docs/design.md",
         "benchmarks/resume_benchmark/report.py",
         "scripts/device/mcore_dtype_read.py",
         "tests/benchmark/test_run_benchmark_offline.py",
