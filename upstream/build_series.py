@@ -1,61 +1,35 @@
-"""Build the Megatron-LM pull request for optimizer-state adoption as a ``git format-patch`` series.
+"""Build the Megatron-LM pull requests of this change as ``git format-patch`` series.
 
-Nothing of the series is committed: one command builds it from this repository's files and a
-Megatron-LM snapshot into an ignored folder, byte for byte the same every time, and records in
-``upstream/series.json`` what it was built against (see upstream/README.md).
+Nothing of them is committed: one command builds, per Megatron-LM branch, four pull requests
+from this repository's files and a Megatron-LM snapshot, byte for byte the same every time, into
+``build/upstream-series/<branch>/<pull request>/`` (its description ``0000-cover-letter.patch``
+and its commits), and records in ``upstream/series.json`` what they were built against. They
+stack in the order of ``PULL_REQUESTS``; (a) and (c) also apply alone (see upstream/README.md):
 
-* ``megatron/core/optimizer/state_adoption/*.py``  -> the subsystem, at the same path upstream
-  (Megatron-LM's copyright line is prepended, as its copyright check requires), exactly the
-  modules that exist here;
-* ``patches/*.patch``                              -> the hunks in ``distrib_optimizer.py`` and
-  ``optimizer.py`` (the call sites and the plugin loading) and the
-  ``OptimizerConfig.optimizer_state_adoption`` field in ``optimizer_config.py``; only the patches
-  for the newest release (``find_patches``), which ``main`` and ``dev`` follow;
-* ``BUG_FIX_PATCH``                                -> the first commit, alone: our fix of an
-  upstream bug in ``distrib_optimizer.py`` (the call sites' hunks apply to the fixed file);
-* ``megatron/core/dist_checkpointing/in_place_merge.py`` and the hunks in
-  ``megatron/core/transformer/utils.py`` -> the last commit, independent of state adoption (the
-  loaded pieces of a ShardedTensorFactory merge into a view), with its unit test from
-  ``upstream/tests/unit_tests/dist_checkpointing/``;
-* the config field                                 -> its Megatron-LM argument
-  (``--no-optimizer-state-adoption`` in ``megatron/training/arguments.py``), generated from the
-  field our patch adds; ``training.py``'s ``get_megatron_optimizer_config`` is checked to copy
-  every ``OptimizerConfig`` field from the arguments by name, so it needs no change;
-* ``upstream/tests/unit_tests/...``                -> the unit tests, at the same path upstream;
-* ``upstream/docs/...``                            -> the docs entry, at the same path upstream,
-  plus one toctree line in ``docs/api-guide/core/index.md``;
-* the cover letter (``0000-cover-letter.patch``, by ``git format-patch --cover-letter``): its text
-  here plus the docs page's sections on why this is not in Transformer Engine and on the review
-  of Megatron-LM PR 7288, re-wrapped for e-mail.
+* (a) the CPU-offload Adam-step fix (``BUG_FIX_PATCH``) and its test;
+* (b) FP32 in-place adoption: the subsystem without what ``upstream/prs/split.toml`` names, the
+  config field and argument it keeps, ``DistributedOptimizer``'s two loads, its test;
+* (c) the in-place SwiGLU merge (``in_place_merge.py``, ``transformer/utils.py``), its test;
+* (d) the rest: the subsystem as it is here, the other field and argument, the other call sites
+  (``optimizer.py``'s too), its tests (``*_offloader.py`` only with the chunked offloader), docs.
 
-Our hunks are carried by content, not by line number: a hunk's removed lines (an insertion's
-last leading context line) with the fewest context lines around them that occur exactly once in
-the snapshot's file, compared without indentation; the added lines are indented as much deeper
-as the snapshot indents the removed ones. Where the snapshot's ``DistributedOptimizer`` has the
-chunked optimizer-state offloader's special case (``dev``: ``self._optimizer_state_offloader``
-with ``load_state_dict_without_device_cast``), the export and the load are routed only on the path
-without an offloader: the offloaded path keeps upstream's calls (see upstream/README.md). Tests
-that only make sense with the offloader (``*_offloader.py``) are added only there.
-
-The config field is inserted before the section that follows it in our patch (the
-``Miscellaneous`` header), which must occur exactly once in ``class OptimizerConfig``. The
-argument goes right after the ``--optimizer`` argument in ``_add_training_args``, written in that
-file's style (``main``: the old hand-wrapped style, ``dev``: black). The generator refuses
-(``SeriesError``) an anchor that is missing or ambiguous.
-
-The series is reproducible byte for byte: fixed dates, ``--zero-commit``, no signature. The base
-commit holds only the snapshot files the series touches, which is all ``git format-patch`` reads.
+Descriptions and commit messages: ``upstream/prs/<pull request>.md``. Our hunks (only the
+newest release's ``patches/*.patch``) are carried by content, not by line number (``locate``);
+where ``DistributedOptimizer`` has the chunked offloader's special case (``dev``), the export and
+the load are routed only without an offloader. A missing or ambiguous anchor, or a name of
+split.toml that is gone, is a ``SeriesError``.
 
 Usage::
 
-    python upstream/build_series.py build --git-dir MIRROR.git    # -> build/upstream-series/<branch>/
-    python upstream/build_series.py check --git-dir MIRROR.git    # git apply --check of that build
+    python upstream/build_series.py build --git-dir MIRROR.git    # -> build/upstream-series/
+    python upstream/build_series.py check --git-dir MIRROR.git    # the apply checks of that build
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import json
 import os
 import re
@@ -64,9 +38,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -76,14 +51,16 @@ from build_tools.patching import find_patches  # noqa: E402
 from build_tools.releases import DEFAULT_UPSTREAM_VERSION  # noqa: E402
 
 UPSTREAM_DIR = REPO_ROOT / "upstream"
+PRS_DIR = UPSTREAM_DIR / "prs"
+SPLIT = PRS_DIR / "split.toml"
 MANIFEST = UPSTREAM_DIR / "series.json"
+README = UPSTREAM_DIR / "README.md"
 DEFAULT_OUT = REPO_ROOT / "build" / "upstream-series"
-"""Where ``build`` writes the series (``<branch>/*.patch``); ignored by git."""
+"""Where ``build`` writes the pull requests (``<branch>/<pull request>/*.patch``); ignored."""
 
 SUBSYSTEM = "megatron/core/optimizer/state_adoption"
 CALL_SITE = "megatron/core/optimizer/distrib_optimizer.py"
 NON_DISTRIBUTED_FILE = "megatron/core/optimizer/optimizer.py"
-"""MegatronOptimizer (plugin loading), Float16OptimizerWithFloat16Params and FP32Optimizer."""
 CONFIG_FILE = "megatron/core/optimizer/optimizer_config.py"
 CONFIG_CLASS = "OptimizerConfig"
 ARGUMENTS_FILE = "megatron/training/arguments.py"
@@ -92,50 +69,58 @@ ARGUMENT_ANCHOR = "--optimizer"
 TRAINING_FILE = "megatron/training/training.py"
 CONFIG_FROM_ARGS = "get_megatron_optimizer_config"
 UTILS_FILE = "megatron/core/transformer/utils.py"
-"""``cat_with_oom_fallback``: the merge of a ShardedTensorFactory's loaded pieces."""
 IN_PLACE_MERGE = "megatron/core/dist_checkpointing/in_place_merge.py"
-IN_PLACE_MERGE_TEST = "tests/unit_tests/dist_checkpointing/test_in_place_merge.py"
 DOCS_INDEX = "docs/api-guide/core/index.md"
 DOCS_PAGE = "docs/api-guide/core/optimizer_state_adoption.md"
-TESTS_ROOT = "tests/unit_tests"
+ADAM_STEP_TEST = "tests/unit_tests/optimizer/test_distrib_optimizer_cpu_offload_step.py"
+ADOPTION_TEST = "tests/unit_tests/optimizer/test_state_adoption.py"
+ROLES_TEST = "tests/unit_tests/optimizer/test_state_adoption_roles.py"
+OFFLOADER_TEST = "tests/unit_tests/optimizer/test_state_adoption_offloader.py"
+IN_PLACE_MERGE_TEST = "tests/unit_tests/dist_checkpointing/test_in_place_merge.py"
 BRANCHES = ("main", "dev")
+PULL_REQUESTS = A, B, C, D = (
+    "a-cpu-offload-adam-step",
+    "b-fp32-state-adoption",
+    "c-in-place-swiglu-merge",
+    "d-state-adoption-roles",
+)
+"""In the order they stack; each is a folder of the build and ``upstream/prs/<name>.md``."""
+STANDALONE = (A, C)
+"""The pull requests that also apply alone on the snapshot."""
 PATCHED_FILES = (CALL_SITE, NON_DISTRIBUTED_FILE, CONFIG_FILE, UTILS_FILE)
 """The files the newest release's ``patches/*.patch`` may change; a patch changing any other is
 refused."""
 BUG_FIX_PATCH = "0006-distrib-optimizer-keep-the-loaded-adam-step-with-cpu-offload.patch"
-"""Our fix of an upstream bug (NVIDIA/Megatron-LM#1842): the first commit of the series, alone;
-every other patch's hunks go to the commits that carry their files."""
-TOUCHED_UPSTREAM_FILES = (
-    CALL_SITE,
-    NON_DISTRIBUTED_FILE,
-    CONFIG_FILE,
-    UTILS_FILE,
-    ARGUMENTS_FILE,
-    DOCS_INDEX,
-)
-"""The snapshot files the series changes (the base commit of the series holds exactly these)."""
+"""Our fix of an upstream bug (NVIDIA/Megatron-LM#1842): pull request (a), alone."""
+TOUCHED_UPSTREAM_FILES = (*PATCHED_FILES, ARGUMENTS_FILE, DOCS_INDEX)
+"""The snapshot files the pull requests change (the base commit holds exactly these)."""
 CHECKED_UPSTREAM_FILES = (TRAINING_FILE,)
 """Snapshot files the generator reads to check an assumption, but does not change."""
 COVER_LETTER = "0000-cover-letter.patch"
+FORMAT_PATCH = "format-patch -q --zero-commit --no-signature --cover-letter".split()
+FORMAT_PATCH.append("--cover-from-description=subject")
 
 PYTHON_HEADER = "# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.\n\n"
 SERIES_DATE = "2026-11-29T12:00:00+00:00"
-"""Author and committer date of every commit in the series (keeps the patches reproducible)."""
+"""Author and committer date of every commit (keeps the patches reproducible)."""
+LINE_LENGTH, MESSAGE_WIDTH = 100, 72
+"""Megatron-LM's black line length; the width of descriptions and commit messages."""
 
 OFFLOADER_GUARD = "if self._optimizer_state_offloader is None:"
 OFFLOADER_LOADER = "self._optimizer_state_offloader.load_state_dict_without_device_cast("
-OFFLOADER_TEST_SUFFIX = "_offloader.py"
 DEV_LOAD_COMMENT = (
     "# With chunked optimizer-state offload, the offloader's own loader runs, as before."
 )
+TABLE_BEGIN = "<!-- pull-request table: written by `build_series.py build` from series.json -->"
+TABLE_END = "<!-- end of the pull-request table -->"
 
 
 class SeriesError(RuntimeError):
-    """The series cannot be built from these sources for this snapshot."""
+    """The pull requests cannot be built from these sources for this snapshot."""
 
 
 # ---------------------------------------------------------------------------------------------
-# Our patch, parsed into hunks
+# Our patches, parsed into hunks
 # ---------------------------------------------------------------------------------------------
 
 
@@ -164,18 +149,9 @@ class Hunk:
         return "replace"
 
 
-def parse_hunks(patch_text: str, path: str, split_blocks: bool = False) -> List[Hunk]:
-    """Return the hunks of ``patch_text`` that change ``path`` (one change block per hunk).
-
-    Args:
-        patch_text: a unified diff (``diff --git`` or plain ``---``/``+++`` headers).
-        path: the file whose hunks are wanted, relative to the repository root.
-        split_blocks: split a hunk with several change blocks into one per block (context
-            between them is shared); otherwise such a hunk is refused.
-
-    Returns:
-        The hunks, in order.
-    """
+def parse_hunks(patch_text: str, path: str) -> List[Hunk]:
+    """The hunks of the unified diff ``patch_text`` that change ``path``, one per change block
+    (a hunk with several is split; the context between them is shared), in order."""
     hunks: List[Hunk] = []
     current_file: Optional[str] = None
     hunk: Optional[Hunk] = None
@@ -198,8 +174,6 @@ def parse_hunks(patch_text: str, path: str, split_blocks: bool = False) -> List[
             (hunk.after if hunk.removed or hunk.added else hunk.before).append(text)
         elif tag in "-+":
             if hunk.after:
-                if not split_blocks:
-                    raise SeriesError("a hunk of our patch has two change blocks; split it")
                 hunk = Hunk(before=hunk.after)
                 hunks.append(hunk)
             (hunk.removed if tag == "-" else hunk.added).append(text)
@@ -234,7 +208,7 @@ def our_hunks(path: str, bug_fix: bool = False) -> List[Hunk]:
                     "teach upstream/build_series.py where it goes"
                 )
         if (patch.name == BUG_FIX_PATCH) is bug_fix:
-            hunks.extend(parse_hunks(text, path, split_blocks=True))
+            hunks.extend(parse_hunks(text, path))
     if not hunks:
         which = BUG_FIX_PATCH if bug_fix else "*.patch"
         raise SeriesError(f"patches/{which} has no hunk for {path}")
@@ -386,18 +360,10 @@ def has_offloader_special_case(text: str) -> bool:
 
 
 def change_file(text: str, hunks: Sequence[Hunk], path: str, offloader: bool) -> str:
-    """Apply our hunks for ``path`` to the snapshot's ``text``.
-
-    Args:
-        text: the snapshot's file.
-        hunks: our patch's hunks for it.
-        path: its path (for messages).
-        offloader: whether the snapshot's ``DistributedOptimizer`` has the offloader's special
-            case (then the export and the load are routed only without an offloader).
-
-    Returns:
-        The changed file. Raises :class:`SeriesError` if a hunk's place is missing or ambiguous.
-    """
+    """The snapshot's ``text`` of ``path`` with our ``hunks``; with ``offloader`` (the
+    snapshot's ``DistributedOptimizer`` has the offloader's special case) the export and the load
+    are routed only without an offloader. Raises :class:`SeriesError` for a hunk whose place is
+    missing or ambiguous."""
     for hunk in hunks:
         if offloader and hunk.kind == "load":
             text = _offloader_load(text, hunk)
@@ -432,8 +398,40 @@ def check_offloader_path_kept(text: str) -> None:
         raise SeriesError(f"{new_calls} subsystem calls but {guards} offloader guards")
 
 
+def staged_call_site_hunks(hunks: Sequence[Hunk], available: Set[str]) -> List[Hunk]:
+    """The hunks of ``distrib_optimizer.py`` that call only ``available`` subsystem functions,
+    after the import of the subsystem trimmed to the names they call.
+
+    Args:
+        hunks: our patch's hunks for the file (one of them the subsystem's import).
+        available: the names the subsystem exports at this stage.
+    """
+    package = SUBSYSTEM.replace("/", ".")
+    exported = set(package_names((REPO_ROOT / SUBSYSTEM / "__init__.py").read_text()))
+    staged: List[Hunk] = []
+    imports: List[Tuple[ast.ImportFrom, Hunk]] = []
+    called: Set[str] = set()
+    for hunk in hunks:
+        added = textwrap.dedent(_block(hunk.added))
+        if added.startswith(f"from {package} import"):
+            node = ast.parse(added).body[0]
+            assert isinstance(node, ast.ImportFrom)
+            imports.append((node, hunk))
+            continue
+        names = set(re.findall(r"\b\w+\b", added)) & exported
+        if names <= available:
+            staged.append(hunk)
+            called |= names
+    if len(imports) != 1:
+        raise SeriesError(f"{CALL_SITE}: expected one hunk importing {package}")
+    ((node, hunk),) = imports
+    kept = [alias for alias in node.names if alias.name in called]
+    trimmed = Hunk(hunk.before, hunk.removed, render_import(node, kept, ""), hunk.after)
+    return [trimmed, *staged] if kept else staged
+
+
 # ---------------------------------------------------------------------------------------------
-# The config switch: the OptimizerConfig field and its Megatron-LM argument
+# The config fields and their Megatron-LM arguments
 # ---------------------------------------------------------------------------------------------
 
 
@@ -488,34 +486,12 @@ def config_fields(hunks: Sequence[Hunk]) -> List[ConfigField]:
     return fields
 
 
-def adoption_switch(hunks: Sequence[Hunk]) -> ConfigField:
-    """The one field our patch adds: a ``bool`` that is True by default (the argument turns it off)."""
-    fields = config_fields(hunks)
-    if len(fields) != 1 or fields[0].annotation != "bool" or fields[0].default is not True:
-        raise SeriesError(
-            f"expected one 'bool = True' field in our {CONFIG_FILE} hunks, found {fields}; "
-            "teach upstream/build_series.py which arguments they need"
-        )
-    return fields[0]
-
-
 def change_optimizer_config(text: str, hunks: Sequence[Hunk]) -> str:
-    """Insert our fields into a snapshot's ``OptimizerConfig``, matched by content.
-
-    Each hunk must be a pure insertion. Its anchor is the last line of its leading context
-    followed by its trailing context (on ``main`` and ``dev``: the blank line before the
-    ``Miscellaneous`` section header); it must occur exactly once inside ``class
-    OptimizerConfig``. The earlier leading context may differ (``dev`` has more offload
-    fields before that header), so the new section lands before the same section everywhere.
-
-    Args:
-        text: the snapshot's ``optimizer_config.py``.
-        hunks: our patch's hunks for it.
-
-    Returns:
-        The changed file. Raises :class:`SeriesError` if an anchor is missing or ambiguous, or
-        if the class already has a field of that name.
-    """
+    """Insert our fields (each hunk a pure insertion) into a snapshot's ``OptimizerConfig``,
+    anchored on the last leading context line and the trailing context (the blank line before
+    the ``Miscellaneous`` header), which must occur exactly once in the class; the earlier
+    leading context may differ (``dev`` has more offload fields). Raises :class:`SeriesError` for
+    a missing or ambiguous anchor and for a field the class has already."""
     fields = config_fields(hunks)
     for hunk in hunks:
         if hunk.removed or not hunk.added or not hunk.after or not hunk.before:
@@ -549,57 +525,58 @@ def change_optimizer_config(text: str, hunks: Sequence[Hunk]) -> str:
     return text
 
 
-ARGUMENT_HELP = (
-    "Always run the inner optimizer's own code where Megatron Core hands it optimizer state "
-    "while loading a checkpoint (e.g. its load_state_dict and state_dict), and load no state "
-    "adopter plugins. By default, registered state adopters "
-    "(megatron.core.optimizer.state_adoption) may do that work, e.g. install Transformer Engine "
-    "FusedAdam's FP32 moments by reference instead of as a second copy."
-)
-"""Help text of the Megatron-LM argument that switches state adoption off."""
+def argument_flag(field_: ConfigField) -> str:
+    """``--no-optimizer-state-adoption`` for a field that is True by default, else ``--<name>``."""
+    return ("--no-" if field_.default else "--") + field_.name.replace("_", "-")
 
 
-def argument_flag(switch: ConfigField) -> str:
-    """``--no-optimizer-state-adoption`` for the field ``optimizer_state_adoption``."""
-    return "--no-" + switch.name.replace("_", "-")
+def argument_help(field_: ConfigField) -> str:
+    """The help text of the argument of ``field_`` (split.toml's ``[arguments]``)."""
+    helps: Dict[str, str] = split_manifest().get("arguments", {})
+    if field_.name not in helps:
+        raise SeriesError(f"{SPLIT.name} has no [arguments] help text for {field_.name}")
+    return helps[field_.name]
 
 
-def _help_segments(width: int) -> List[str]:
-    """The help text as implicitly concatenated string literals of at most ``width`` characters."""
-    lines = textwrap.wrap(ARGUMENT_HELP, width=width - 3, break_on_hyphens=False)
-    quote = '"' if "'" in ARGUMENT_HELP else "'"
+def _help_segments(text: str, width: int) -> List[str]:
+    """``text`` as implicitly concatenated string literals of at most ``width`` characters."""
+    lines = textwrap.wrap(text, width=width - 3, break_on_hyphens=False)
+    quote = '"' if "'" in text else "'"
     return [
         quote + line + (" " if i < len(lines) - 1 else "") + quote for i, line in enumerate(lines)
     ]
 
 
-def render_argument(switch: ConfigField, group: str, black_style: bool) -> List[str]:
-    """The ``add_argument`` statement for ``switch``, in the style of the file it goes into.
+def render_argument(field_: ConfigField, group: str, black_style: bool) -> List[str]:
+    """The ``add_argument`` statement for ``field_``, in the style of the file it goes into.
 
     Args:
-        switch: the config field the argument sets (``action='store_false'``).
+        field_: the config field the argument sets (a ``bool``: ``store_false`` for a field that
+            is True by default, ``store_true`` for one that is False).
         group: the argument group's variable name.
         black_style: black's layout (``dev``) instead of the hand-wrapped one (``main``).
     """
-    flag, dest = argument_flag(switch), switch.name
+    if field_.annotation != "bool" or not isinstance(field_.default, bool):
+        raise SeriesError(f"{CONFIG_FILE}: {field_.name} is no bool with a default; no argument")
+    flag = argument_flag(field_)
+    options = [f"'{flag}'", f"action='{'store_false' if field_.default else 'store_true'}'"]
+    if flag.lstrip("-").replace("-", "_") != field_.name:
+        options.append(f"dest='{field_.name}'")
     if black_style:
         indent = " " * 8
-        opening = [f"    {group}.add_argument("]
-        options = [
-            f"{indent}'{flag}',",
-            f"{indent}action='store_false',",
-            f"{indent}dest='{dest}',",
-        ]
-        closing = ",\n    )"
+        opening, lines, closing = (
+            [f"    {group}.add_argument("],
+            [indent + o + "," for o in options],
+            ",\n    )",
+        )
     else:
         head = f"    {group}.add_argument("
         indent = " " * len(head)
-        opening = []
-        options = [f"{head}'{flag}', action='store_false',", f"{indent}dest='{dest}',"]
-        closing = ")"
-    segments = _help_segments(100 - len(indent) - len("help="))
+        opening, closing = [], ")"
+        lines = [f"{head}{options[0]}, {options[1]},", *(indent + o + "," for o in options[2:])]
+    segments = _help_segments(argument_help(field_), LINE_LENGTH - len(indent) - len("help="))
     help_lines = [f"{indent}help={segments[0]}", *(indent + s for s in segments[1:])]
-    return [*opening, *options, *help_lines[:-1], *(help_lines[-1] + closing).split("\n")]
+    return [*opening, *lines, *help_lines[:-1], *(help_lines[-1] + closing).split("\n")]
 
 
 def _is_add_argument(node: ast.AST, flag: Optional[str] = None) -> bool:
@@ -615,9 +592,10 @@ def _is_add_argument(node: ast.AST, flag: Optional[str] = None) -> bool:
     return isinstance(first, ast.Constant) and first.value == flag
 
 
-def _argument_mentions(tree: ast.AST, switch: ConfigField) -> List[str]:
-    """Every option string or ``dest`` in ``tree`` that already names ``switch``."""
-    taken = {argument_flag(switch), "--" + switch.name.replace("_", "-"), switch.name}
+def _argument_mentions(tree: ast.AST, field_: ConfigField) -> List[str]:
+    """Every option string or ``dest`` in ``tree`` that already names ``field_``."""
+    dashed = field_.name.replace("_", "-")
+    taken = {f"--no-{dashed}", f"--{dashed}", field_.name}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -633,21 +611,17 @@ def _argument_mentions(tree: ast.AST, switch: ConfigField) -> List[str]:
     return found
 
 
-def add_switch_argument(text: str, switch: ConfigField) -> str:
-    """Add the argument for ``switch`` right after ``--optimizer`` in ``_add_training_args``.
-
-    Args:
-        text: the snapshot's ``megatron/training/arguments.py``.
-        switch: the config field the argument sets.
-
-    Returns:
-        The changed file. Raises :class:`SeriesError` if the anchor is missing or ambiguous,
-        or if an argument of that name or ``dest`` exists already.
-    """
+def add_switch_arguments(text: str, fields: Sequence[ConfigField]) -> str:
+    """The snapshot's ``arguments.py`` with the arguments of ``fields``, in order, right after
+    ``--optimizer`` in ``_add_training_args``. Raises :class:`SeriesError` for a missing or
+    ambiguous anchor and for an argument of such a name or ``dest`` that exists already."""
     tree = ast.parse(text)
-    taken = _argument_mentions(tree, switch)
-    if taken:
-        raise SeriesError(f"{ARGUMENTS_FILE} already has an argument for {switch.name}: {taken}")
+    for field_ in fields:
+        taken = _argument_mentions(tree, field_)
+        if taken:
+            raise SeriesError(
+                f"{ARGUMENTS_FILE} already has an argument for {field_.name}: {taken}"
+            )
     function = _module_node(tree, ast.FunctionDef, ARGUMENTS_FUNCTION, ARGUMENTS_FILE)
     anchors = [n for n in ast.walk(function) if _is_add_argument(n, ARGUMENT_ANCHOR)]
     if len(anchors) != 1:
@@ -665,83 +639,338 @@ def add_switch_argument(text: str, switch: ConfigField) -> str:
         )
     start, end = _node_span(text, anchor)
     black_style = text[start:end].split("\n", 1)[0].rstrip().endswith("(")
-    rendered = render_argument(switch, func.value.id, black_style)
-    text = text[:end] + _block(rendered) + text[end:]
-    check_switch_argument(_block(rendered), switch)
-    return text
+    statements = [render_argument(f, func.value.id, black_style) for f in fields]
+    for field_, statement in zip(fields, statements):
+        check_switch_argument(_block(statement), field_)
+    return text[:end] + "".join(_block(s) for s in statements) + text[end:]
 
 
-def check_switch_argument(statement: str, switch: ConfigField) -> None:
-    """Run the added statement against a parser: the field is True by default, False with the flag."""
-    import argparse as _argparse
-
-    parser = _argparse.ArgumentParser(allow_abbrev=False)
-    namespace: Dict[str, object] = {}
+def check_switch_argument(statement: str, field_: ConfigField) -> None:
+    """Run the added statement against a parser: the field's default without the flag, the
+    other value with it."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     tree = ast.parse(textwrap.dedent(statement))
     if len(tree.body) != 1 or not _is_add_argument(tree.body[0]):
-        raise SeriesError(f"the argument for {switch.name} is not one add_argument statement")
+        raise SeriesError(f"the argument for {field_.name} is not one add_argument statement")
     call = tree.body[0]
     assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
-    assert isinstance(call.value.func, ast.Attribute) and isinstance(
-        call.value.func.value, ast.Name
-    )
-    namespace[call.value.func.value.id] = parser
-    exec(compile(tree, "<argument>", "exec"), namespace)
-    default = getattr(parser.parse_args([]), switch.name)
-    flagged = getattr(parser.parse_args([argument_flag(switch)]), switch.name)
-    if default is not switch.default or flagged is not (not switch.default):
+    assert isinstance(call.value.func, ast.Attribute)
+    assert isinstance(call.value.func.value, ast.Name)
+    exec(compile(tree, "<argument>", "exec"), {call.value.func.value.id: parser})
+    default = getattr(parser.parse_args([]), field_.name)
+    flagged = getattr(parser.parse_args([argument_flag(field_)]), field_.name)
+    if default is not field_.default or flagged is not (not field_.default):
         raise SeriesError(
-            f"{argument_flag(switch)} gives {default} by default and {flagged} when set"
+            f"{argument_flag(field_)} gives {default} by default and {flagged} when set"
         )
 
 
-def check_config_copied_from_args(text: str, switch: ConfigField) -> None:
-    """Assert that ``get_megatron_optimizer_config`` copies every config field from the arguments.
-
-    Megatron-LM builds ``OptimizerConfig`` from ``args`` by field name::
-
-        for f in dataclasses.fields(OptimizerConfig):
-            if hasattr(args, f.name):
-                kwargs[f.name] = getattr(args, f.name)
-        config = OptimizerConfig(**kwargs)
-
-    so the argument's ``dest`` reaches the field with no change to ``training.py``. Refuses a
-    snapshot where that loop is gone or where the function sets the field itself.
-    """
+def check_config_copied_from_args(text: str, field_: ConfigField) -> None:
+    """Assert that ``get_megatron_optimizer_config`` builds ``OptimizerConfig(**kwargs)`` from
+    every field of ``args`` by name (``for f in dataclasses.fields(OptimizerConfig): if
+    hasattr(args, f.name): kwargs[f.name] = getattr(args, f.name)``) and does not set ``field_``
+    itself, so that the argument's ``dest`` reaches the field with no change to training.py."""
     function = _module_node(ast.parse(text), ast.FunctionDef, CONFIG_FROM_ARGS, TRAINING_FILE)
-    loops = [
-        node
-        for node in ast.walk(function)
-        if isinstance(node, ast.For)
-        and isinstance(node.target, ast.Name)
-        and ast.unparse(node.iter) == f"dataclasses.fields({CONFIG_CLASS})"
-    ]
-    copied = False
-    for loop in loops:
-        assert isinstance(loop.target, ast.Name)
-        f = loop.target.id
-        expected = (
-            f"for {f} in dataclasses.fields({CONFIG_CLASS}):\n"
-            f"    if hasattr(args, {f}.name):\n"
-            f"        kwargs[{f}.name] = getattr(args, {f}.name)"
-        )
-        copied = copied or ast.unparse(loop) == expected
-    if not copied:
+    source = ast.unparse(function)
+    loops = [ast.unparse(n) for n in ast.walk(function) if isinstance(n, ast.For)]
+    loops = [re.sub(r"\b(\w+)(?=\.name\b)|(?<=for )\w+", "f", loop) for loop in loops]
+    expected = (
+        f"for f in dataclasses.fields({CONFIG_CLASS}):\n"
+        "    if hasattr(args, f.name):\n"
+        "        kwargs[f.name] = getattr(args, f.name)"
+    )
+    if expected not in loops:
         raise SeriesError(
             f"{TRAINING_FILE}: {CONFIG_FROM_ARGS} no longer copies every {CONFIG_CLASS} field "
             "from args by name; the argument needs a change there too"
         )
-    source = ast.unparse(function)
-    if "OptimizerConfig(**kwargs)" not in source:
-        raise SeriesError(
-            f"{TRAINING_FILE}: {CONFIG_FROM_ARGS} does not build OptimizerConfig(**kwargs)"
-        )
-    if switch.name in source:
-        raise SeriesError(f"{TRAINING_FILE}: {CONFIG_FROM_ARGS} sets {switch.name} itself")
+    if f"{CONFIG_CLASS}(**kwargs)" not in source:
+        raise SeriesError(f"{TRAINING_FILE}: {CONFIG_FROM_ARGS} does not build it from kwargs")
+    if field_.name in source:
+        raise SeriesError(f"{TRAINING_FILE}: {CONFIG_FROM_ARGS} sets {field_.name} itself")
 
 
 # ---------------------------------------------------------------------------------------------
-# Docs index and copied files
+# Pull request (b)'s files: the final ones without what split.toml names
+# ---------------------------------------------------------------------------------------------
+
+
+def split_manifest() -> Dict[str, Any]:
+    """upstream/prs/split.toml: what (b) leaves out of the final files for (d) to add."""
+    return tomllib.loads(SPLIT.read_text())
+
+
+def _is_string(node: Optional[ast.stmt]) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    )
+
+
+def _defined(node: ast.stmt) -> List[str]:
+    """The names a statement binds at its level (imports, definitions, assignments)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [(a.asname or a.name).split(".")[0] for a in node.names]
+    if isinstance(node, ast.If):
+        return [name for inner in node.body for name in _defined(inner)]
+    targets = node.targets if isinstance(node, ast.Assign) else []
+    targets = [node.target] if isinstance(node, ast.AnnAssign) else targets
+    elements = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+    return [e.id for e in elements if isinstance(e, ast.Name)]
+
+
+def _apply(lines: List[str], removed: List[Tuple[int, int]], replaced: List[Edit]) -> str:
+    """Join ``lines`` without the 0-based [first, end) spans ``removed`` (adjacent ones merged;
+    where blank lines surround one, those above it go too) and with ``replaced``."""
+    merged: List[Tuple[int, int]] = []
+    for first, end in sorted(removed):
+        if merged and merged[-1][1] >= first:
+            first = merged.pop()[0]
+        merged.append((first, end))
+    edits = list(replaced)
+    for first, end in merged:
+        if (first == 0 or not lines[first - 1].strip()) and (
+            end >= len(lines) - 1 or not lines[end].strip()
+        ):
+            while first > 0 and not lines[first - 1].strip():
+                first -= 1
+        edits.append((first, end, []))
+    for first, end, new in sorted(edits, reverse=True):
+        lines[first:end] = new
+    return "\n".join(lines)
+
+
+Edit = Tuple[int, int, List[str]]
+
+
+def _span(lines: Sequence[str], body: Sequence[ast.stmt], index: int) -> Tuple[int, int]:
+    """0-based [first, end) lines of ``body[index]``: its decorators, the comment lines right
+    above it and, for an assignment, the string statement right below it (its docstring)."""
+    node = body[index]
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))]) - 1
+    while first > 0 and lines[first - 1].strip().startswith("#"):
+        first -= 1
+    end = node.end_lineno or node.lineno
+    following = body[index + 1] if index + 1 < len(body) else None
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and _is_string(following):
+        assert following is not None
+        end = following.end_lineno or end
+    return first, end
+
+
+def prune_source(source: str, remove: Sequence[str], docstrings: Dict[str, str], what: str) -> str:
+    """``source`` without the statements ``remove`` names (``name`` or ``Class.name``) and with
+    the docstrings ``docstrings`` names (``""``: the module's; a class, function or constant)
+    replaced. Raises :class:`SeriesError` for a name that is not there."""
+    tree = ast.parse(source)
+    lines = source.split("\n")
+    scopes: Dict[str, List[ast.stmt]] = {"": tree.body}
+    scopes.update({n.name: n.body for n in tree.body if isinstance(n, ast.ClassDef)})
+
+    def find(name: str) -> Tuple[List[ast.stmt], int]:
+        scope, _, member = name.rpartition(".")
+        body = scopes.get(scope, [])
+        found = [i for i, node in enumerate(body) if member in _defined(node)]
+        if len(found) != 1:
+            raise SeriesError(f"{SPLIT.name} names {name} in {what}, which has no such name")
+        return body, found[0]
+
+    removed = [_span(lines, *find(name)) for name in remove]
+    replaced: List[Edit] = []
+    for name, text in docstrings.items():
+        target: Optional[ast.stmt] = tree.body[0] if tree.body else None
+        if name:
+            body, index = find(name)
+            node = body[index]
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                target = node.body[0]
+            else:  # a constant's docstring is the string right below it
+                target = body[index + 1] if index + 1 < len(body) else None
+        if target is None or not _is_string(target):
+            raise SeriesError(f"{SPLIT.name}: {name or 'the module'} in {what} has no docstring")
+        indent = " " * target.col_offset
+        new = f'{indent}"""{text}"""'.split("\n")
+        new[1:] = [indent + line if line.strip() else line for line in new[1:]]
+        replaced.append((target.lineno - 1, target.end_lineno or target.lineno, new))
+    return _apply(lines, removed, replaced)
+
+
+def _used_names(tree: ast.AST) -> Set[str]:
+    """The names a module reads: in its code, its string annotations and ``__all__``."""
+    used: Set[str] = set()
+    annotations: List[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.arg) and node.annotation is not None:
+            annotations.append(node.annotation)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns:
+            annotations.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            annotations.append(node.annotation)
+        elif isinstance(node, ast.Assign) and "__all__" in _defined(node):
+            used |= {str(e.value) for e in ast.walk(node.value) if isinstance(e, ast.Constant)}
+    for constant in (c for a in annotations for c in ast.walk(a)):
+        if isinstance(constant, ast.Constant) and isinstance(constant.value, str):
+            try:
+                quoted = ast.parse(constant.value, mode="eval")
+            except SyntaxError:
+                continue
+            used |= {n.id for n in ast.walk(quoted) if isinstance(n, ast.Name)}
+    return used
+
+
+def render_import(node: ast.ImportFrom, names: Sequence[ast.alias], indent: str) -> List[str]:
+    """``from <module> import <names>`` as black writes it: one line if it fits, else one name
+    per line."""
+    module = "." * node.level + (node.module or "")
+    parts = [a.name if a.asname is None else f"{a.name} as {a.asname}" for a in names]
+    line = f"{indent}from {module} import {', '.join(parts)}"
+    if len(line) <= LINE_LENGTH:
+        return [line]
+    return [f"{indent}from {module} import (", *(f"{indent}    {p}," for p in parts), f"{indent})"]
+
+
+def _keep_imports(source: str, keep: Any) -> str:
+    """``source`` with each import reduced to the aliases ``keep(node, alias)`` accepts; an
+    import, or an ``if`` block of imports, left with none goes."""
+    tree = ast.parse(source)
+    lines = source.split("\n")
+    removed: List[Tuple[int, int]] = []
+    replaced: List[Edit] = []
+    bodies = [tree.body, *(n.body for n in tree.body if isinstance(n, ast.If))]
+    for body in bodies:
+        for node in body:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [alias for alias in node.names if keep(node, alias)]
+            span = (node.lineno - 1, node.end_lineno or node.lineno)
+            if not names:
+                removed.append(span)
+            elif len(names) < len(node.names):
+                indent = " " * node.col_offset
+                if isinstance(node, ast.ImportFrom):
+                    replaced.append((*span, render_import(node, names, indent)))
+                else:
+                    replaced.append(
+                        (*span, [f"{indent}import {', '.join(map(ast.unparse, names))}"])
+                    )
+    for node in tree.body:
+        if isinstance(node, ast.If) and node.body and not node.orelse:
+            inner = {(n.lineno - 1, n.end_lineno or n.lineno) for n in node.body}
+            if inner <= set(removed):
+                removed = [s for s in removed if s not in inner]
+                removed.append((node.lineno - 1, node.end_lineno or node.lineno))
+    return _apply(lines, removed, replaced)
+
+
+def prune_package(sources: Dict[str, str], split: Dict[str, Any]) -> Dict[str, str]:
+    """(b)'s modules, by file name, made from the final ``sources`` and split.toml's ``modules``.
+
+    Each module loses the names split.toml lists and the imports only they used; ``__init__.py``
+    also the names the modules no longer define, the statements that use them and their
+    ``__all__`` entries. Raises :class:`SeriesError` for a module or name that does not exist,
+    and for a name a module reads that nothing defines any more.
+    """
+    unknown = sorted(set(split) - set(sources))
+    if unknown:
+        raise SeriesError(f"{SPLIT.name} names modules that do not exist: {unknown}")
+    pruned = {}
+    for name, source in sources.items():
+        entry = split.get(name, {})
+        text = prune_source(source, entry.get("remove", []), entry.get("docstrings", {}), name)
+        was = _used_names(ast.parse(source))
+        while True:  # an emptied ``if TYPE_CHECKING:`` frees TYPE_CHECKING
+            used = _used_names(ast.parse(text))
+            previous, text = text, _keep_imports(
+                text, lambda node, a: _bound(a) in used or _bound(a) not in was
+            )
+            if text == previous:
+                break
+        pruned[name] = text
+    defined = {
+        name.removesuffix(".py"): {n for s in ast.parse(text).body for n in _defined(s)}
+        for name, text in pruned.items()
+    }
+    init = pruned.get("__init__.py")
+    if init is not None:
+        init = _keep_imports(
+            init,
+            lambda node, a: not (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 1
+                and node.module in defined
+                and a.name not in defined[node.module]
+            ),
+        )
+        tree = ast.parse(init)
+        lines = init.split("\n")
+        bound = {n for s in tree.body for n in _defined(s)} | set(dir(builtins))
+        removed = [
+            _span(lines, tree.body, i)
+            for i, node in enumerate(tree.body)
+            if not _defined(node) and _used_names(node) - bound
+        ]
+        replaced: List[Edit] = []
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and _defined(node) == ["__all__"]:
+                names = [e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant)]
+                kept = [f'"{n}"' for n in names if n in bound]
+                line = f"__all__ = [{', '.join(kept)}]"
+                new = (
+                    [line]
+                    if len(line) <= LINE_LENGTH
+                    else ["__all__ = [", *(f"    {n}," for n in kept), "]"]
+                )
+                replaced.append((node.lineno - 1, node.end_lineno or node.lineno, new))
+        pruned["__init__.py"] = _apply(lines, removed, replaced)
+    for name, text in pruned.items():
+        _check_names(name, ast.parse(text), defined)
+    return pruned
+
+
+def _bound(alias: ast.alias) -> str:
+    return (alias.asname or alias.name).split(".")[0]
+
+
+def _check_names(name: str, tree: ast.Module, defined: Dict[str, Set[str]]) -> None:
+    """Refuse a module that reads a name nothing binds, or a sibling module's name it lacks."""
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.stmt):
+            bound |= set(_defined(node))
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    missing = _used_names(tree) - bound
+    siblings = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            for alias in node.names:
+                if node.module is None and alias.name in defined:
+                    siblings[_bound(alias)] = alias.name
+                elif node.module in defined and alias.name not in defined[str(node.module)]:
+                    missing.add(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            module = siblings.get(node.value.id)
+            if module is not None and node.attr not in defined[module]:
+                missing.add(f"{module}.{node.attr}")
+    if missing:
+        raise SeriesError(
+            f"(b)'s {name} would read {sorted(missing)}, which it no longer has: "
+            f"{SPLIT.name} must remove what uses them too"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The files of the pull requests
 # ---------------------------------------------------------------------------------------------
 
 
@@ -760,36 +989,56 @@ def with_header(source: str) -> str:
     return source if source.startswith(PYTHON_HEADER) else PYTHON_HEADER + source
 
 
-def subsystem_files() -> Dict[str, str]:
-    """Upstream path -> content of every subsystem module (our file, with the copyright line)."""
-    files = {}
-    for source in sorted((REPO_ROOT / SUBSYSTEM).glob("*.py")):
-        files[f"{SUBSYSTEM}/{source.name}"] = with_header(source.read_text())
-    return files
+def subsystem_files(final: bool = True) -> Dict[str, str]:
+    """Upstream path -> content of every subsystem module: ours (``final``, pull request (d)'s)
+    or (b)'s, with the copyright line."""
+    sources = {p.name: p.read_text() for p in sorted((REPO_ROOT / SUBSYSTEM).glob("*.py"))}
+    if not final:
+        sources = prune_package(sources, split_manifest().get("modules", {}))
+    return {f"{SUBSYSTEM}/{name}": with_header(text) for name, text in sources.items()}
 
 
 def in_place_merge_files() -> Dict[str, str]:
-    """Upstream path -> content of the in-place merge module (our file, with the copyright line)
-    and of its unit test."""
+    """Upstream path -> content of the in-place merge module (with the copyright line) and of
+    its unit test: pull request (c)'s new files."""
     return {
         IN_PLACE_MERGE: with_header((REPO_ROOT / IN_PLACE_MERGE).read_text()),
-        IN_PLACE_MERGE_TEST: (UPSTREAM_DIR / IN_PLACE_MERGE_TEST).read_text(),
+        **test_files(True, [IN_PLACE_MERGE_TEST]),
     }
 
 
-def test_files(with_offloader: bool) -> Dict[str, str]:
-    """Upstream path -> content of our unit tests of state adoption (the offloader ones only where
-    it exists); the in-place merge's test goes with its module (``in_place_merge_files``)."""
-    files = {}
+PR_TESTS = {
+    A: [ADAM_STEP_TEST],
+    B: [ADOPTION_TEST],
+    C: [IN_PLACE_MERGE_TEST],
+    D: [ROLES_TEST, OFFLOADER_TEST],
+}
+"""The unit tests (``upstream/tests/unit_tests/...``, at their Megatron-LM path) of each pull
+request; ``OFFLOADER_TEST`` only where the snapshot has the chunked offloader."""
+
+
+def test_files(offloader: bool, paths: Optional[Sequence[str]] = None) -> Dict[str, str]:
+    """Upstream path -> content of the unit tests ``paths`` (default: every pull request's).
+
+    Raises :class:`SeriesError` for a test file here that no pull request carries and for one a
+    pull request needs that does not exist (yet).
+    """
     root = UPSTREAM_DIR / "tests" / "unit_tests"
-    for source in sorted(root.rglob("*.py")):
-        path = f"{TESTS_ROOT}/{source.relative_to(root).as_posix()}"
-        if path == IN_PLACE_MERGE_TEST:
+    known = {path for tests in PR_TESTS.values() for path in tests}
+    here = {f"tests/unit_tests/{p.relative_to(root).as_posix()}" for p in root.rglob("*.py")}
+    if here - known:
+        raise SeriesError(f"no pull request carries {sorted(here - known)}; add them to PR_TESTS")
+    files = {}
+    for path in known if paths is None else paths:
+        if path == OFFLOADER_TEST and not offloader:
             continue
-        if source.name.endswith(OFFLOADER_TEST_SUFFIX) and not with_offloader:
-            continue
+        source = UPSTREAM_DIR / path
+        if not source.exists():
+            raise SeriesError(
+                f"{source.relative_to(REPO_ROOT)} does not exist (yet): its pull request needs it"
+            )
         files[path] = source.read_text()
-    return files
+    return dict(sorted(files.items()))
 
 
 def docs_files() -> Dict[str, str]:
@@ -800,309 +1049,11 @@ def docs_files() -> Dict[str, str]:
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading a generated series back (for the consistency test)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FileDiff:
-    """One file's diff in a format-patch file."""
-
-    path: str
-    pre_blob: str
-    new_file: bool
-    hunks: List[Hunk]
-
-    def new_content(self) -> str:
-        """The whole content of a new file (its single hunk's added lines)."""
-        assert self.new_file and len(self.hunks) == 1
-        return _block(self.hunks[0].added)
-
-
-def read_series_patch(text: str) -> List[FileDiff]:
-    """Split a ``git format-patch`` file into per-file diffs."""
-    diffs: List[FileDiff] = []
-    sections = re.split(r"^diff --git a/\S+ b/(\S+)\n", text, flags=re.MULTILINE)
-    for path, body in zip(sections[1::2], sections[2::2]):
-        index = re.search(r"^index ([0-9a-f]+)\.\.", body, re.MULTILINE)
-        if index is None:
-            raise SeriesError(f"no index line for {path}")
-        body = body.split("\n-- \n")[0]  # a signature, if any
-        diffs.append(
-            FileDiff(
-                path=path,
-                pre_blob=index.group(1),
-                new_file="\nnew file mode" in "\n" + body.split("@@")[0],
-                hunks=parse_hunks(
-                    f"+++ b/{path}\n" + body[body.index("@@") :], path, split_blocks=True
-                ),
-            )
-        )
-    return diffs
-
-
-# ---------------------------------------------------------------------------------------------
-# Commits, cover letter and format-patch
-# ---------------------------------------------------------------------------------------------
-
-BUG_FIX_MESSAGE = """\
-Keep the checkpoint's Adam step in CPU-offloaded dp_reshardable loads
-
-With the CPU-offloaded optimizer (HybridDeviceOptimizer), resuming
-from a dp_reshardable checkpoint sets every parameter's Adam step back
-to 1, so the resumed Adam restarts its bias correction.
-
-DistributedOptimizer.sharded_state_dict(is_loading=True) first runs
-load_state_dict(state_dict()), which creates the state with
-HybridDeviceOptimizer.dummy_step: its step is 1. The dp_reshardable
-template wraps that step in a LocalNonpersistentObject, so it is not
-read from the checkpoint. load_state_dict then sets the checkpoint's
-step from its param_groups, but load_parameter_state_from_dp_reshardable
-goes on to call _set_main_param_and_optimizer_states with the template's
-entries, whose HybridDeviceOptimizer branch writes each of them into the
-optimizer's state, the template's step included, for every parameter.
-
-Skip 'step' there, as load_parameter_state_from_fully_reshardable and
-load_parameter_state_from_fs_model_space already do.
-
-Fixes #1842
-"""
-
-SUBSYSTEM_MESSAGE = """\
-Add optimizer-state adoption to Megatron Core
-
-Add megatron.core.optimizer.state_adoption. Where a Megatron optimizer
-hands its inner optimizer's state to the inner optimizer's own code
-while loading a checkpoint, the first registered state adopter that
-accepts does that work instead; otherwise the own code runs unchanged.
-
-A StateAdopter has a unique name, one required role and three optional
-ones, each a side-effect-free check (None to accept, a reason to
-decline) and an action: load (install a {"state", "param_groups"} dict
-instead of load_state_dict), export (the state dict as the optimizer
-holds it instead of state_dict()'s copies), initialize (the optimizer's
-own step() without gradients creates the state a checkpoint is read
-into, instead of Megatron-FSDP's dummy step on zero gradients) and read
-(the tensors a precision-aware dp_reshardable checkpoint is read into,
-instead of get_unscaled_state's FP32 copies). An AdoptionContext tells
-it the inner optimizer, the owner's configs and, for a load, the state
-dict and whether the call site owns it (only then may tensors the
-optimizer does not hold yet be installed by reference).
-
-One dispatcher enforces the rules that keep this safe, at every hook
-point. The own code runs, without asking any adopter, when adoption is
-switched off (OptimizerConfig.optimizer_state_adoption, added in the
-next commit, or MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1 for the whole
-process, read once at import), when the optimizer instance carries the
-method itself (a wrapper), or when hooks that the method runs are
-registered or cannot be inspected, so every hook runs as often as
-before. A check that
-raises, or changes the optimizer, is a decline. An action that raises,
-or whose result is not what the own code would give (checked after
-every action), is undone and the own code runs. Every call ends in
-exactly one AdoptionOutcome, also when the own code raises, handed to
-the registry's outcome hooks; its byte counts are measured after the
-call from storage identity (reused_bytes: installed by reference,
-allocated_bytes: newly allocated).
-
-A StateAdopterRegistry holds uniquely named adopters in a fixed order
-(built-in, plugins by entry-point name, then code registrations;
-prepend=True before all) and returns RemovableHandles. A strict
-registry, as in tests, raises RuntimeError for every fallback instead
-of logging a warning. default_registry() is the process-wide registry
-Megatron Core's optimizers consult; installed plugins (entry-point group
-megatron_core.optimizer_state_adopters) are loaded into it once, when an
-optimizer is constructed.
-
-Built in and registered: te_fused_adam_fp32, for Transformer Engine's
-FusedAdam with FP32 moments and no master weights or parameter
-remainders (read from the instance). There FusedAdam.load_state_dict
-allocates a second copy of both moments while the caller still holds
-the incoming ones, 8 bytes per parameter of transient memory on every
-resume; the adopter installs the incoming tensors by reference through
-PyTorch's loader instead. Built in and opt-in:
-TEFusedAdamPrecisionAwareStateAdopter, for FusedAdam with BF16 moments
-(the precision-aware optimizer), which loads, exports and reads the
-held state without FP32 copies.
-"""
-
-CONFIG_MESSAGE = """\
-Add an OptimizerConfig switch for optimizer state adoption
-
-Add OptimizerConfig.optimizer_state_adoption (default True). When it is
-False, the optimizer's state adoption hook points (the next commit)
-always run the inner optimizer's own code and consult no adopter, and
-the optimizer does not load adopter plugins.
-
-Megatron-LM: --no-optimizer-state-adoption sets it to False. It sits
-with the optimizer arguments in _add_training_args;
-get_megatron_optimizer_config copies every OptimizerConfig field from
-the arguments by name, so training.py needs no change.
-"""
-
-CALL_SITE_MESSAGE = """\
-Route inner-optimizer state loads through state adoption
-
-Every place where Megatron Core hands loaded optimizer state to the
-inner optimizer's own code now goes through a state-adoption hook point:
-
-- DistributedOptimizer.load_state_dict reads the inner optimizer's
-  state with export_inner_optimizer_state_dict(self) and installs the
-  state it assembled with load_inner_optimizer_state_dict(self, ...,
-  owns_state_dict=True): it built that dict from the tensors just read,
-  so an adopter may install them by reference;
-- its Megatron-FSDP branch (fsdp_dtensor checkpoints) installs the
-  loaded DTensor state with load_inner_optimizer_state_dict(self, ...),
-  and sharded_param_state_fsdp_dtensor creates the state the checkpoint
-  is read into with initialize_inner_optimizer_state(self, ...), which
-  runs the dummy step unless an adopter accepts that the optimizer's
-  own step() without gradients creates that state;
-- with the precision-aware optimizer, sharded_param_state_dp_reshardable
-  builds the tensors a checkpoint is read into inside
-  reading_optimizer_state(self, is_loading): each comes from
-  unscaled_state_or_read_target(self, ...), which is get_unscaled_state
-  unless an adopter supplies the held tensor itself, and
-  _set_main_param_and_optimizer_states stores what was read with
-  store_read_optimizer_state(self, ...), which leaves a tensor read in
-  place as it is and otherwise calls set_scaled_state;
-- Float16OptimizerWithFloat16Params and FP32Optimizer (without the
-  distributed optimizer) install their loaded state with
-  load_inner_optimizer_state_dict(self, ...).
-
-MegatronOptimizer.__init__ loads the installed adopter plugins once,
-with default_registry().load_plugins(), when
-config.optimizer_state_adoption is set.
-
-With no adopter accepting, each call does exactly what the direct call
-did. Each call site is one small hunk; the logic stays in the subsystem.
-"""
-
-CALL_SITE_MESSAGE_OFFLOADER = """
-With chunked optimizer-state offload (self._optimizer_state_offloader),
-load_state_dict keeps making upstream's calls (the inner optimizer's
-state_dict() and the offloader's load_state_dict_without_device_cast())
-exactly as before: the offloader's loader is part of the offload
-mechanism, not an optional memory optimisation, so it is never subject
-to adoption, the switch or a fallback.
-"""
-
-TESTS_MESSAGE = """\
-Add unit tests for optimizer state adoption
-
-Cover the registry (the built-in adopter, unique and well-formed names,
-order and prepend, handles, plugins loaded once in entry-point name
-order and skipped when broken, strict registries), the switches (the
-OptimizerConfig field and its Megatron-LM argument), the dispatcher's
-rules (an instance-level method and registered hooks run as upstream,
-without asking adopters; a raising check declines; a raising adoption,
-or one that installs nothing, is undone and the own loader runs; a
-malformed export is not used; an own loader that raises is reported and
-re-raised), the measured outcome (bytes installed by reference or newly
-allocated, which pins PyTorch's by-reference install on CPU), every
-call site (DistributedOptimizer's load and export, its Megatron-FSDP
-load and state creation, the loads of Float16OptimizerWithFloat16Params
-and FP32Optimizer, the plugin loading in MegatronOptimizer.__init__),
-and, with Transformer Engine on CUDA, the built-in adopter and a
-DistributedOptimizer save and load through dist_checkpointing with
-bitwise-equal state.
-"""
-
-TESTS_MESSAGE_OFFLOADER = """
-Also check that with a chunked optimizer-state offloader set,
-load_state_dict consults no adopter and hands the offloader exactly the
-state it received before.
-"""
-
-DOCS_MESSAGE = """\
-Document optimizer state adoption in the API guide
-
-Add an API guide page on what state adoption does, the built-in
-adopters, what the dispatcher guarantees, how to observe loads, how to
-write, register, ship as a plugin and test an adopter, how to switch
-adoption off, and why this lives in Megatron Core rather than in
-Transformer Engine.
-"""
-
-IN_PLACE_MERGE_MESSAGE = """\
-Merge ShardedTensorFactory pieces read in place without a copy
-
-SwiGLU's linear_fc1 (dense MLPs and MoE experts) and Mamba's in_proj
-are saved through a ShardedTensorFactory as several pieces, which
-cat_with_oom_fallback merges on load. torch_dist reads the pieces in
-place into views of the tensor being loaded (the parameter, or an
-optimizer state), so their concatenation is already in memory; the
-merge allocated a second, full copy of it, held until load_checkpoint
-returns. Measured on an H200 for a 1.02 B-parameter Llama-style model,
-that copy added 0.82 bytes per parameter to the peak memory of a load
-with the distributed optimizer, and 4.9 bytes per parameter with FP32
-parameters without it.
-
-Add megatron.core.dist_checkpointing.in_place_merge.concatenated_view:
-when the pieces are plain, contiguous tensors of one dtype, device and
-trailing shape that lie back to back in one storage, it returns their
-concatenation as a view of that storage, else None.
-cat_with_oom_fallback returns that view when there is one and
-concatenates as before otherwise. The values are identical; the merged
-tensor aliases the one the checkpoint was read into, as documented.
-
-Unit tests (tests/unit_tests/dist_checkpointing/test_in_place_merge.py,
-on CPU): back-to-back pieces merge into a view equal to torch.cat;
-reversed, gapped, overlapping, separately stored, non-contiguous and
-mixed-dtype pieces are concatenated as before; the SwiGLU factory's
-merge of halves read in place is the tensor itself.
-"""
-
-COVER_SUBJECT = "Optimizer-state adoption for Megatron Core checkpoint loading"
-
-COVER_INTRO = """\
-When a Megatron optimizer with Transformer Engine's FusedAdam resumes
-from a checkpoint, FusedAdam.load_state_dict allocates a second copy of
-both Adam moments while the caller still holds the incoming ones: a
-transient 8 bytes per parameter on every rank. This series lets
-Megatron Core's optimizers hand the loaded inner state to registered
-state adopters; the built-in one installs FP32 moments by reference
-through PyTorch's loader where DistributedOptimizer assembled the state
-itself. Every other configuration, and every case the dispatcher cannot
-prove safe, runs the inner optimizer's own code exactly as today.
-Adoption is on by default and switched off with
-OptimizerConfig.optimizer_state_adoption = False
-(--no-optimizer-state-adoption), or for a whole process with
-MCORE_DISABLE_OPTIMIZER_STATE_ADOPTION=1.
-
-1. a bug fix, independent of the rest: with the CPU-offloaded
-   optimizer, a dp_reshardable load keeps the checkpoint's Adam step
-   instead of the load template's (#1842);
-2. the subsystem (megatron/core/optimizer/state_adoption/): the
-   StateAdopter interface, the dispatcher, the registry with its
-   plugins, the built-in adopters;
-3. the switch: OptimizerConfig.optimizer_state_adoption and
-   --no-optimizer-state-adoption;
-4. the call sites: one import and one small hunk per call in
-   DistributedOptimizer (its load, export, Megatron-FSDP and
-   precision-aware paths) and in the load_state_dict of
-   Float16OptimizerWithFloat16Params and FP32Optimizer, and the plugin
-   loading in MegatronOptimizer.__init__;
-5. unit tests (tests/unit_tests/optimizer/test_state_adoption.py);
-6. the API guide page (docs/api-guide/core/optimizer_state_adoption.md);
-7. independent of state adoption: the pieces of a ShardedTensorFactory
-   read in place (SwiGLU's linear_fc1, Mamba's in_proj) merge into a
-   view of the loaded tensor instead of a second copy
-   (megatron/core/dist_checkpointing/in_place_merge.py), with its tests.
-"""
-
-COVER_OFFLOADER = """\
-On dev, the chunked optimizer-state offloader keeps its own path: with
-self._optimizer_state_offloader set, load_state_dict makes exactly the
-calls it makes today and consults no adopter, because the offloader's
-loader is part of the offload mechanism, not an optional optimisation
-(tests/unit_tests/optimizer/test_state_adoption_offloader.py).
-"""
-
-COVER_SECTIONS = ("Why not in Transformer Engine", "Review of Megatron-LM PR 7288")
-"""The docs page's sections that the cover letter carries (re-wrapped for e-mail)."""
-
-COVER_WIDTH = 72
+def added_files(offloader: bool) -> List[str]:
+    """The paths of the files the pull requests add (recorded in series.json)."""
+    return sorted(
+        {**subsystem_files(), **test_files(offloader), **docs_files(), **in_place_merge_files()}
+    )
 
 
 def docs_section(page: str, title: str) -> str:
@@ -1113,20 +1064,18 @@ def docs_section(page: str, title: str) -> str:
     return match.group(1).strip("\n") + "\n"
 
 
-def rewrap(markdown: str, width: int = COVER_WIDTH) -> str:
+def rewrap(markdown: str, width: int = MESSAGE_WIDTH) -> str:
     """Re-wrap Markdown paragraphs and list items to ``width`` (no code blocks expected)."""
     if "```" in markdown:
-        raise SeriesError("a section carried into the cover letter has a code block")
+        raise SeriesError("a section carried into a description has a code block")
     out = []
     for block in re.split(r"\n\s*\n", markdown.strip("\n")):
-        items = re.split(r"\n(?=(?:[-*]|\d+\.) )", block)
-        for item in items:
+        for item in re.split(r"\n(?=(?:[-*]|\d+\.) )", block):
             bullet = re.match(r"(?:[-*]|\d+\.) ", item)
             prefix = bullet.group(0) if bullet else ""
-            words = " ".join(item[len(prefix) :].split())
             out.append(
                 textwrap.fill(
-                    words,
+                    " ".join(item[len(prefix) :].split()),
                     width=width,
                     initial_indent=prefix,
                     subsequent_indent=" " * len(prefix),
@@ -1138,20 +1087,137 @@ def rewrap(markdown: str, width: int = COVER_WIDTH) -> str:
     return "\n".join(out)
 
 
-def cover_letter_text(offloader: bool) -> str:
-    """The cover letter: subject line, blank line, body (``git format-patch`` adds the rest)."""
+@dataclass
+class PullRequest:
+    """One pull request: its folder name, description and commits."""
+
+    name: str
+    description: str
+    """The cover letter's text: the title, a blank line, the body."""
+    commits: List[Tuple[str, Dict[str, str]]] = field(default_factory=list)
+    """(commit message, files written) per commit, in order."""
+
+
+def pr_texts(name: str, offloader: bool) -> Tuple[str, List[str]]:
+    """The description and the commit messages of pull request ``name`` (``prs/<name>.md``).
+
+    The file is ``# <title>``, the description, then ``## Commit: <subject>`` and its message
+    per commit. A paragraph ``[offloader] ...`` is kept, without the marker, only where the
+    snapshot has the chunked offloader; a paragraph ``[docs: <title>]`` becomes that section of
+    the docs page, re-wrapped. Every line fits in 72 columns.
+    """
+    path = PRS_DIR / f"{name}.md"
     page = (UPSTREAM_DIR / "docs" / Path(DOCS_PAGE).relative_to("docs")).read_text()
-    parts = [COVER_SUBJECT, "", COVER_INTRO]
-    if offloader:
-        parts.append(COVER_OFFLOADER)
-    for title in COVER_SECTIONS:
-        parts += [title, "-" * len(title), "", rewrap(docs_section(page, title))]
-    return "\n".join(parts).rstrip("\n") + "\n"
+    paragraphs = []
+    for paragraph in path.read_text().strip("\n").split("\n\n"):
+        if paragraph.startswith("[offloader] "):
+            if not offloader:
+                continue
+            paragraph = paragraph.removeprefix("[offloader] ")
+        docs = re.fullmatch(r"\[docs: (.+)\]", paragraph)
+        if docs:
+            paragraph = f"## {docs.group(1)}\n\n" + rewrap(docs_section(page, docs.group(1)))
+        paragraphs.append(paragraph.strip("\n"))
+    head, *commits = re.split(r"^## Commit: ", "\n\n".join(paragraphs) + "\n", flags=re.M)
+    if not head.startswith("# ") or not commits:
+        raise SeriesError(f"{path.name}: expected '# <title>', the text and '## Commit: ' sections")
+    title, _, body = head[2:].partition("\n")
+    texts = [f"{title}\n\n{body.strip()}\n", *(c.strip("\n") + "\n" for c in commits)]
+    too_wide = [line for text in texts for line in text.splitlines() if len(line) > MESSAGE_WIDTH]
+    if too_wide:
+        raise SeriesError(f"{path.name}: lines wider than {MESSAGE_WIDTH} columns: {too_wide}")
+    return texts[0], texts[1:]
 
 
-def _git(cwd: Path, *args: str, env: Optional[Dict[str, str]] = None) -> str:
+def pull_requests(snapshot: "Snapshot") -> List[PullRequest]:
+    """The four pull requests for ``snapshot``, in the order they stack."""
+    files, off = snapshot.files, snapshot.offloader
+    config_hunks = our_hunks(CONFIG_FILE)
+    for field_ in config_fields(config_hunks):
+        check_config_copied_from_args(snapshot.checked[TRAINING_FILE], field_)
+    later = split_manifest().get("optimizer_config", {})
+    b_config = [Hunk(h.before, [], _pruned_block(h.added, later), h.after) for h in config_hunks]
+    b_subsystem = subsystem_files(final=False)
+    b_names = set(package_names(b_subsystem[f"{SUBSYSTEM}/__init__.py"]))
+    # The fix is an insertion, not an export or load that the offloader's special case routes.
+    fixed = change_file(files[CALL_SITE], our_hunks(CALL_SITE, bug_fix=True), CALL_SITE, False)
+
+    def config(hunks: List[Hunk]) -> Dict[str, str]:
+        return {
+            CONFIG_FILE: change_optimizer_config(files[CONFIG_FILE], hunks),
+            ARGUMENTS_FILE: add_switch_arguments(files[ARGUMENTS_FILE], config_fields(hunks)),
+        }
+
+    def changed(path: str, text: str, hunks: Optional[List[Hunk]] = None) -> Dict[str, str]:
+        return {path: change_file(text, our_hunks(path) if hunks is None else hunks, path, off)}
+
+    def tests(name: str) -> Dict[str, str]:
+        return test_files(off, PR_TESTS[name])
+
+    commits = {
+        A: [{CALL_SITE: fixed, **tests(A)}],
+        B: [
+            {**b_subsystem, **config(b_config)},
+            {**changed(CALL_SITE, fixed, staged_call_site_hunks(our_hunks(CALL_SITE), b_names))}
+            | tests(B),
+        ],
+        C: [{**in_place_merge_files(), **changed(UTILS_FILE, files[UTILS_FILE])}],
+        D: [
+            {**subsystem_files(), **config(config_hunks)},
+            {
+                **changed(CALL_SITE, fixed),
+                **changed(NON_DISTRIBUTED_FILE, files[NON_DISTRIBUTED_FILE]),
+            }
+            | tests(D),
+            {
+                **docs_files(),
+                DOCS_INDEX: add_docs_toctree_entry(files[DOCS_INDEX], Path(DOCS_PAGE).stem),
+            },
+        ],
+    }
+    prs = []
+    for name in PULL_REQUESTS:
+        description, messages = pr_texts(name, off)
+        if len(messages) != len(commits[name]):
+            raise SeriesError(
+                f"prs/{name}.md: {len(messages)} messages, {len(commits[name])} commits"
+            )
+        prs.append(PullRequest(name, description, list(zip(messages, commits[name]))))
+    return prs
+
+
+def _pruned_block(lines: Sequence[str], split: Dict[str, Any]) -> List[str]:
+    """Added lines of a class body without the fields ``split["remove"]`` names (and with its
+    ``docstrings``), as :func:`prune_source` does to a module."""
+    indent = " " * min(_width(line) for line in lines if line.strip())
+    text = textwrap.dedent(_block(lines))
+    pruned = prune_source(text, split.get("remove", []), split.get("docstrings", {}), CONFIG_FILE)
+    return _indent(pruned.split("\n")[:-1], indent)
+
+
+def package_names(init: str) -> List[str]:
+    """The ``__all__`` of a subsystem ``__init__.py`` (default: ours, the final one)."""
+    for node in ast.parse(init).body:
+        if isinstance(node, ast.Assign) and _defined(node) == ["__all__"]:
+            return [str(e.value) for e in ast.walk(node.value) if isinstance(e, ast.Constant)]
+    raise SeriesError(f"{SUBSYSTEM}/__init__.py has no __all__")
+
+
+def series_commits(snapshot: "Snapshot") -> List[Tuple[str, Dict[str, str]]]:
+    """Every commit of the four pull requests, in order: (commit message, files written)."""
+    return [commit for pr in pull_requests(snapshot) for commit in pr.commits]
+
+
+# ---------------------------------------------------------------------------------------------
+# git and the snapshot
+# ---------------------------------------------------------------------------------------------
+
+
+def _git(
+    cwd: Path, *args: str, env: Optional[Dict[str, str]] = None, input: Optional[str] = None
+) -> str:
     result = subprocess.run(
-        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+        ["git", *args], cwd=cwd, env=env, input=input, check=True, capture_output=True, text=True
     )
     return result.stdout
 
@@ -1214,84 +1280,31 @@ class Snapshot:
         return has_offloader_special_case(self.files[CALL_SITE])
 
 
-def series_commits(snapshot: Snapshot) -> List[Tuple[str, Dict[str, str]]]:
-    """The series for ``snapshot``: (commit message, files written) per commit, in order.
-
-    The bug fix comes first, on its own, and the call sites' hunks apply to the fixed file. The
-    switch comes before the call sites: ``MegatronOptimizer.__init__`` reads it. The in-place
-    merge, independent of state adoption, comes last, with its test.
-    """
-    config_hunks = our_hunks(CONFIG_FILE)
-    switch = adoption_switch(config_hunks)
-    check_config_copied_from_args(snapshot.checked[TRAINING_FILE], switch)
-    offloader = snapshot.offloader
-    page = Path(DOCS_PAGE).stem
-    # The fix is an insertion, not an export or load that the offloader's special case routes.
-    fixed = change_file(
-        snapshot.files[CALL_SITE], our_hunks(CALL_SITE, bug_fix=True), CALL_SITE, False
-    )
-    after_fix = {**snapshot.files, CALL_SITE: fixed}
-    return [
-        (BUG_FIX_MESSAGE, {CALL_SITE: fixed}),
-        (SUBSYSTEM_MESSAGE, subsystem_files()),
-        (
-            CONFIG_MESSAGE,
-            {
-                CONFIG_FILE: change_optimizer_config(snapshot.files[CONFIG_FILE], config_hunks),
-                ARGUMENTS_FILE: add_switch_argument(snapshot.files[ARGUMENTS_FILE], switch),
-            },
-        ),
-        (
-            CALL_SITE_MESSAGE + (CALL_SITE_MESSAGE_OFFLOADER if offloader else ""),
-            {
-                path: change_file(after_fix[path], our_hunks(path), path, offloader)
-                for path in (CALL_SITE, NON_DISTRIBUTED_FILE)
-            },
-        ),
-        (TESTS_MESSAGE + (TESTS_MESSAGE_OFFLOADER if offloader else ""), test_files(offloader)),
-        (
-            DOCS_MESSAGE,
-            {**docs_files(), DOCS_INDEX: add_docs_toctree_entry(snapshot.files[DOCS_INDEX], page)},
-        ),
-        (
-            IN_PLACE_MERGE_MESSAGE,
-            {
-                **in_place_merge_files(),
-                UTILS_FILE: change_file(
-                    snapshot.files[UTILS_FILE], our_hunks(UTILS_FILE), UTILS_FILE, offloader
-                ),
-            },
-        ),
-    ]
-
-
-def added_files(offloader: bool) -> List[str]:
-    """The paths of the files the series adds (recorded in series.json)."""
-    return sorted(
-        {**subsystem_files(), **test_files(offloader), **docs_files(), **in_place_merge_files()}
-    )
-
-
-SERIES_BRANCH = "optimizer-state-adoption"
-"""The branch the series is committed on in the scratch repository (its description is the cover)."""
+# ---------------------------------------------------------------------------------------------
+# Building, checking and recording
+# ---------------------------------------------------------------------------------------------
 
 
 def build(
     snapshot: Snapshot, out_dir: Path, identity: Optional[Tuple[str, str]] = None
 ) -> List[Path]:
-    """Write the series for ``snapshot`` into ``out_dir`` (emptied first); return the patches.
+    """Write the pull requests for ``snapshot`` into ``out_dir/<pull request>/`` (``out_dir``
+    emptied first); return every patch, cover letters included, in the order they apply.
 
-    The patches are the cover letter (``0000-cover-letter.patch``, from the scratch branch's
-    description) and one patch per commit.
+    Each pull request is a branch on the previous one's tip in a scratch repository, its
+    description the branch's (``git format-patch --cover-letter``).
 
     Args:
-        snapshot: the Megatron-LM files the series changes.
-        out_dir: where the patches go.
+        snapshot: the Megatron-LM files the pull requests change.
+        out_dir: where the pull requests go.
         identity: (name, email) of the author; defaults to this repository's git user.
     """
     name, email = identity or _identity()
     env = _commit_env(name, email)
-    commits = series_commits(snapshot)
+    prs = pull_requests(snapshot)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    patches: List[Path] = []
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         _git(work, "init", "-q", "-b", "base", env=env)
@@ -1300,50 +1313,59 @@ def build(
         _git(
             work, "commit", "-q", "-m", f"Megatron-LM {snapshot.branch} {snapshot.commit}", env=env
         )
-        base = _git(work, "rev-parse", "HEAD").strip()
-        _git(work, "checkout", "-q", "-b", SERIES_BRANCH, env=env)
-        cover = cover_letter_text(snapshot.offloader)
-        _git(work, "config", f"branch.{SERIES_BRANCH}.description", cover, env=env)
-        for message, files in commits:
-            _write(work, files)
-            _git(work, "add", "-A", env=env)
-            subprocess.run(
-                ["git", "commit", "-q", "-s", "-F", "-"],
-                cwd=work,
-                env=env,
-                input=message,
-                text=True,
-                check=True,
-                capture_output=True,
-            )
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        out_dir.mkdir(parents=True)
-        _git(
-            work,
-            "format-patch",
-            "-q",
-            "--zero-commit",
-            "--no-signature",
-            "--no-numbered-files",
-            "--cover-letter",
-            "--cover-from-description=subject",
-            "-o",
-            str(out_dir),
-            f"{base}..{SERIES_BRANCH}",
-            env=env,
-        )
-    return sorted(out_dir.glob("*.patch"))
+        for pr in prs:
+            start = _git(work, "rev-parse", "HEAD").strip()
+            _git(work, "checkout", "-q", "-b", pr.name, env=env)
+            _git(work, "config", f"branch.{pr.name}.description", pr.description, env=env)
+            for message, files in pr.commits:
+                _write(work, files)
+                _git(work, "add", "-A", env=env)
+                _git(work, "commit", "-q", "-s", "-F", "-", env=env, input=message)
+            folder = out_dir / pr.name
+            folder.mkdir(parents=True)
+            range_ = f"{start}..{pr.name}"
+            _git(work, *FORMAT_PATCH, "-o", str(folder), range_, env=env)
+            patches += sorted(folder.glob("*.patch"))
+    return patches
 
 
 def code_patches(patches: Sequence[Path]) -> List[Path]:
-    """The patches without the cover letter (which ``git apply`` and ``git am`` cannot take)."""
+    """The patches without the cover letters (which ``git apply`` and ``git am`` cannot take)."""
     return [p for p in patches if p.name != COVER_LETTER]
 
 
-def manifest() -> Dict[str, Dict[str, object]]:
-    """upstream/series.json: per branch, what the series was last built against."""
-    data: Dict[str, Dict[str, object]] = json.loads(MANIFEST.read_text())
+def by_pull_request(patches: Sequence[Path]) -> Dict[str, List[Path]]:
+    """The code patches of each pull request (their folder), in ``PULL_REQUESTS`` order."""
+    grouped: Dict[str, List[Path]] = {name: [] for name in PULL_REQUESTS}
+    for patch in code_patches(patches):
+        if patch.parent.name not in grouped:
+            raise SeriesError(f"{patch} is in no pull request's folder")
+        grouped[patch.parent.name].append(patch)
+    return grouped
+
+
+def line_counts(patches: Sequence[Path]) -> Dict[str, List[int]]:
+    """Per file, the lines ``patches`` add and remove (``git apply --numstat``)."""
+    counts: Dict[str, List[int]] = {}
+    if not patches:
+        return counts
+    result = subprocess.run(
+        ["git", "apply", "--numstat", *map(str, patches)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    for line in result.stdout.splitlines():
+        added, removed, path = line.split("\t")
+        total = counts.setdefault(path, [0, 0])
+        total[0] += int(added)
+        total[1] += int(removed)
+    return dict(sorted(counts.items()))
+
+
+def manifest() -> Dict[str, Dict[str, Any]]:
+    """upstream/series.json: per branch, what the pull requests were last built against."""
+    data: Dict[str, Dict[str, Any]] = json.loads(MANIFEST.read_text())
     return data
 
 
@@ -1356,21 +1378,61 @@ def blob_id(content: str) -> str:
 
 
 def record(snapshot: Snapshot, patches: Sequence[Path], apply_check: str) -> None:
-    """Record the snapshot commit, its files' blob ids, the patch names and added files."""
+    """Record the snapshot, its files' blob ids, each pull request's patches and line counts,
+    and rewrite README's table of them."""
     data = manifest() if MANIFEST.exists() else {}
     data[snapshot.branch] = dict(
         snapshot_commit=snapshot.commit,
         offloader_special_case=snapshot.offloader,
         pre_image_blobs={p: blob_id(c) for p, c in sorted(snapshot.files.items())},
         checked_blobs={p: blob_id(c) for p, c in sorted(snapshot.checked.items())},
-        cover_letter=COVER_LETTER,
-        patches=[p.name for p in code_patches(patches)],
+        pull_requests={
+            name: dict(patches=[p.name for p in prs], lines=line_counts(prs))
+            for name, prs in by_pull_request(patches).items()
+        },
         added_files=added_files(snapshot.offloader),
         git_apply_check=apply_check,
         series_date=SERIES_DATE,
         author="{} <{}>".format(*_identity()),
     )
     MANIFEST.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    README.write_text(with_table(README.read_text(), data))
+
+
+def _count(counts: Optional[Sequence[int]]) -> str:
+    return "—" if counts is None else f"+{counts[0]} −{counts[1]}"
+
+
+def _cell(per_branch: Dict[str, Optional[Sequence[int]]]) -> str:
+    """One count, or one per branch where they differ."""
+    values = list(per_branch.values())
+    if all(v == values[0] for v in values):
+        return _count(values[0])
+    return "; ".join(f"{branch} {_count(v)}" for branch, v in per_branch.items())
+
+
+def pr_table(data: Dict[str, Dict[str, Any]]) -> str:
+    """README's table: per pull request, its files and the lines it adds and removes."""
+    branches = [b for b in BRANCHES if "pull_requests" in data.get(b, {})]
+    rows = ["| pull request | file | lines |", "|---|---|---|"]
+    for name in PULL_REQUESTS:
+        lines = {b: data[b]["pull_requests"][name]["lines"] for b in branches}
+        for path in sorted({p for b in branches for p in lines[b]}):
+            rows.append(
+                f"| {name} | `{path}` | {_cell({b: lines[b].get(path) for b in branches})} |"
+            )
+        totals = {b: [sum(c[i] for c in lines[b].values()) for i in (0, 1)] for b in branches}
+        rows.append(f"| **{name}** | **all files** | **{_cell(dict(totals.items()))}** |")
+    return "\n".join(rows) + "\n"
+
+
+def with_table(readme: str, data: Dict[str, Dict[str, Any]]) -> str:
+    """``readme`` with the table between ``TABLE_BEGIN`` and ``TABLE_END`` rewritten."""
+    pattern = re.escape(TABLE_BEGIN) + r"\n.*?" + re.escape(TABLE_END)
+    if len(re.findall(pattern, readme, flags=re.DOTALL)) != 1:
+        raise SeriesError(f"{README.name} needs the lines {TABLE_BEGIN!r} and {TABLE_END!r} once")
+    table = f"{TABLE_BEGIN}\n{pr_table(data)}{TABLE_END}"
+    return re.sub(pattern, lambda _: table, readme, flags=re.DOTALL)
 
 
 def work_tree(git_dir: Path, commit: str, into: Path) -> None:
@@ -1383,24 +1445,38 @@ def work_tree(git_dir: Path, commit: str, into: Path) -> None:
 
 
 def apply_check(git_dir: Path, commit: str, patches: Sequence[Path]) -> str:
-    """``git apply --check`` the series on a full work tree of ``commit``; return a summary."""
-    patches = code_patches(patches)
-    with tempfile.TemporaryDirectory() as scratch:
-        tree = Path(scratch)
-        work_tree(git_dir, commit, tree)
-        result = subprocess.run(
-            ["git", "apply", "--check", *map(str, patches)],
-            cwd=tree,
-            capture_output=True,
-            text=True,
-        )
-    if result.returncode != 0:
-        raise SeriesError(f"git apply --check failed on {commit}:\n{result.stderr}")
-    return f"ok: {len(patches)} patches apply to a full work tree of {commit}"
+    """On a full work tree of ``commit``, ``git apply --check`` each patch, then apply it: every
+    pull request in turn on its predecessors, and each of ``STANDALONE`` alone; return a
+    summary. Raises :class:`SeriesError` at the first patch that does not apply."""
+    prs = by_pull_request(patches)
+    letters = {name: name[0] for name in PULL_REQUESTS}
+    runs = [list(PULL_REQUESTS), *([n] for n in STANDALONE if n != PULL_REQUESTS[0])]
+    for run in runs:
+        with tempfile.TemporaryDirectory() as scratch:
+            tree = Path(scratch)
+            work_tree(git_dir, commit, tree)
+            for index, name in enumerate(run):
+                if not prs[name]:
+                    raise SeriesError(f"pull request {name} has no patches")
+                for patch in prs[name]:
+                    result = subprocess.run(
+                        ["git", "apply", "--check", str(patch)],
+                        cwd=tree,
+                        capture_output=True,
+                        text=True,
+                    )
+                    if result.returncode != 0:
+                        on = "+".join(letters[n] for n in run[:index]) or "the snapshot"
+                        message = f"{name}/{patch.name} does not apply on {on} at {commit}"
+                        raise SeriesError(f"{message}:\n{result.stderr}")
+                    subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+    alone = " and ".join(letters[n] for n in STANDALONE)
+    stacked = ", ".join(letters[n] for n in PULL_REQUESTS)
+    return f"ok: {stacked} apply in turn and {alone} alone to a full work tree of {commit}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command line: ``build`` (check and record) or ``check`` the series per branch."""
+    """Command line: ``build`` (check and record) or ``check`` the pull requests per branch."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("build", "check"))
     parser.add_argument(
@@ -1411,7 +1487,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--snapshot-commit",
         help="build at this revision (default: the one in series.json, else the branch's tip)",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="series go to OUT/<branch>/")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="goes to OUT/<branch>/<pr>/")
     args = parser.parse_args(argv)
     branches = args.branch or list(BRANCHES)
     if args.snapshot_commit is not None and len(branches) != 1:
@@ -1421,15 +1497,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         commit = args.snapshot_commit or recorded.get(branch, {}).get("snapshot_commit")
         out_dir = args.out / branch
         if args.command == "check":
-            print(
-                f"{branch}: {apply_check(args.git_dir, str(commit), sorted(out_dir.glob('*.patch')))}"
-            )
+            patches = [
+                p for name in PULL_REQUESTS for p in sorted((out_dir / name).glob("*.patch"))
+            ]
+            print(f"{branch}: {apply_check(args.git_dir, str(commit), patches)}")
             continue
         snapshot = Snapshot.from_git_dir(
             args.git_dir, branch, None if commit is None else str(commit)
         )
         patches = build(snapshot, out_dir)
-        print(f"{branch} @ {snapshot.commit}: {len(patches)} patches in {out_dir}")
+        print(f"{branch} @ {snapshot.commit}: {len(PULL_REQUESTS)} pull requests in {out_dir}")
+        for name, prs in by_pull_request(patches).items():
+            added, removed = (sum(c[i] for c in line_counts(prs).values()) for i in (0, 1))
+            print(f"  {name}: {len(prs)} commits, +{added} -{removed}")
         check = apply_check(args.git_dir, snapshot.commit, patches)
         print(f"  {check}")
         record(snapshot, patches, check)

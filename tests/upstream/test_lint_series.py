@@ -37,8 +37,8 @@ LINT_README = lint_series.LINT_DIR / "README.md"
 MIRROR = Path(os.environ.get("MEGATRON_LM_GIT_DIR", "/nonexistent"))
 needs_mirror = pytest.mark.skipif(
     not (MIRROR / "HEAD").exists(),
-    reason="no Megatron-LM git directory (set MEGATRON_LM_GIT_DIR, e.g. to the fetched mirror "
-    "/work/.mirror/NVIDIA+Megatron-LM/repo)",
+    reason="no Megatron-LM git directory (set MEGATRON_LM_GIT_DIR to one, e.g. a fetched mirror "
+    "of github:NVIDIA/Megatron-LM)",
 )
 HEADER = lint_series.COPYRIGHT_LINE
 

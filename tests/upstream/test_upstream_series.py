@@ -1,35 +1,35 @@
-"""The Megatron-LM series that upstream/build_series.py builds, and upstream/series.json.
+"""The Megatron-LM pull requests that upstream/build_series.py builds, and upstream/series.json.
 
-The series is not committed: one command builds it into build/upstream-series/ (see
+Nothing of them is committed: one command builds them into build/upstream-series/ (see
 upstream/README.md). Two levels, because CI has no copy of Megatron-LM (only PyPI is reachable
 there):
 
-* always, in seconds: series.json agrees with the current sources where that needs no snapshot
-  (its patch names are the generator's commit subjects, the files it lists as added are exactly
-  the subsystem modules, the in-place merge module, unit tests and docs page here, its blob ids
-  are of the files the generator changes and reads), only the newest release's patches enter the
-  series, the bug fix's hunk only its own commit, every Python file the series adds passes black
-  26 with Megatron-LM's settings, the cover letter has its required content, README's table of exported
-  names lists exactly the package's ``__all__``, and the generator's rules are exercised on
-  small synthetic files of every shape, refusing what they must refuse;
-* with ``MEGATRON_LM_GIT_DIR`` (a Megatron-LM git directory, e.g. the fetched mirror
-  /work/.mirror/NVIDIA+Megatron-LM/repo): the series is built at the recorded snapshots into a
-  temporary folder and checked: the snapshot's blob ids and the patch names are those recorded,
-  ``git apply --check`` passes on a full work tree, on main the call-site diffs make exactly the
-  changes of patches/*.patch and on dev they keep the offloader's path, the bug fix is the first
-  commit alone and the call sites apply to the fixed file, the in-place merge commit adds our
-  module and changes ``cat_with_oom_fallback``, the config field and argument are the generated
-  ones, every added file equals its source, and the changed Python files pass black where the
-  snapshot's did. Skipped, with the reason, without it.
+* always, in seconds: series.json and README's table agree with the current sources where that
+  needs no snapshot (patch names are the descriptions' commit subjects, the files listed as
+  added are the subsystem modules, the in-place merge module, unit tests and docs page here),
+  the descriptions carry their numbers, every Python file the pull requests add passes black 26
+  with Megatron-LM's settings, (b)'s subsystem (the final one without what upstream/prs/
+  split.toml names) imports and exports exactly its names, (b) then (d) replayed give our files
+  byte for byte, the generator refuses a split.toml name that is gone and a missing test, and
+  its rules are exercised on small synthetic files of every shape;
+* with ``MEGATRON_LM_GIT_DIR`` (a Megatron-LM git directory, e.g. a fetched mirror of
+  github:NVIDIA/Megatron-LM): the pull requests are built at the recorded snapshots into a
+  temporary folder and checked against series.json, applied in turn (and (a), (c) alone) on a
+  full work tree, rebuilt byte-identically, and their diffs checked file by file. Skipped, with
+  the reason, without it.
 """
 
 import argparse
 import ast
+import difflib
+import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
@@ -47,8 +47,9 @@ from build_series import (  # noqa: E402
     IN_PLACE_MERGE,
     IN_PLACE_MERGE_TEST,
     NON_DISTRIBUTED_FILE,
+    PULL_REQUESTS,
+    SUBSYSTEM,
     UTILS_FILE,
-    FileDiff,
     Hunk,
     SeriesError,
 )
@@ -61,10 +62,20 @@ MIRROR = Path(os.environ.get("MEGATRON_LM_GIT_DIR", "/nonexistent"))
 # Megatron-LM's pyproject.toml: black 26, line_length 100, skip_string_normalization,
 # skip_magic_trailing_comma.
 BLACK_MODE = dict(line_length=100, string_normalization=False, magic_trailing_comma=False)
+A, B, C, D = PULL_REQUESTS
+B_EXPORTS = [
+    "AdoptionContext",
+    "AdoptionOutcome",
+    "StateAdopter",
+    "StateAdopterRegistry",
+    "default_registry",
+    "load_inner_optimizer_state_dict",
+]
+"""What (b)'s package exports."""
 
 
-def _switch() -> build_series.ConfigField:
-    return build_series.adoption_switch(build_series.our_hunks(CONFIG_FILE))
+def _fields() -> List[build_series.ConfigField]:
+    return build_series.config_fields(build_series.our_hunks(CONFIG_FILE))
 
 
 def _changes(hunks: List[Hunk], strip: bool = False) -> List[Tuple[Tuple[str, ...], ...]]:
@@ -81,8 +92,33 @@ def _black_clean(content: str) -> bool:
     return bool(black.format_str(content, mode=black.Mode(**BLACK_MODE)) == content)
 
 
+def _git(cwd: Path, *args: str, stdin: str = "") -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
+    identity = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
+    return subprocess.run(
+        ["git", *identity, *args], cwd=cwd, env=env, input=stdin, text=True, check=True,
+        capture_output=True,
+    ).stdout  # fmt: skip
+
+
+def _names(source: str) -> Dict[str, List[str]]:
+    """Per scope ("" and each class), the names its statements define, imports left out."""
+    tree = ast.parse(source)
+    scopes = {"": tree.body, **{n.name: n.body for n in tree.body if isinstance(n, ast.ClassDef)}}
+    return {
+        scope: sorted(
+            name
+            for node in body
+            if not isinstance(node, (ast.Import, ast.ImportFrom, ast.If))
+            for name in build_series._defined(node)
+        )
+        for scope, body in scopes.items()
+    }
+
+
 # ---------------------------------------------------------------------------------------------
-# series.json and the sources, without a snapshot
+# series.json, README and the sources, without a snapshot
 # ---------------------------------------------------------------------------------------------
 
 
@@ -91,59 +127,90 @@ def test_manifest_records_main_and_dev() -> None:
     for branch, entry in MANIFEST.items():
         assert len(str(entry["snapshot_commit"])) == 40
         assert entry["git_apply_check"] == (
-            f"ok: {len(entry['patches'])} patches apply to a full work tree of "
+            "ok: a, b, c, d apply in turn and a and c alone to a full work tree of "
             f"{entry['snapshot_commit']}"
         )
-        assert entry["cover_letter"] == COVER_LETTER
         assert sorted(entry["pre_image_blobs"]) == sorted(build_series.TOUCHED_UPSTREAM_FILES)
         assert sorted(entry["checked_blobs"]) == sorted(build_series.CHECKED_UPSTREAM_FILES)
+        assert list(entry["pull_requests"]) == list(PULL_REQUESTS)
     assert MANIFEST["main"]["offloader_special_case"] is False
     assert MANIFEST["dev"]["offloader_special_case"] is True
 
 
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_manifest_lists_the_files_the_series_adds_from_these_sources(branch: str) -> None:
+def test_manifest_lists_the_files_added_from_these_sources(branch: str) -> None:
     """A subsystem module, test or docs page added or removed here needs a rebuild."""
     expected = build_series.added_files(bool(MANIFEST[branch]["offloader_special_case"]))
-    modules = [
-        f"{build_series.SUBSYSTEM}/{p.name}"
-        for p in (REPO_ROOT / build_series.SUBSYSTEM).glob("*.py")
-    ]
+    modules = [f"{SUBSYSTEM}/{p.name}" for p in (REPO_ROOT / SUBSYSTEM).glob("*.py")]
     assert set(modules) <= set(expected)
-    assert MANIFEST[branch]["added_files"] == expected, f"{branch}: rebuild the series"
-
-
-COMMIT_MESSAGES = [
-    build_series.BUG_FIX_MESSAGE,
-    build_series.SUBSYSTEM_MESSAGE,
-    build_series.CONFIG_MESSAGE,
-    build_series.CALL_SITE_MESSAGE,
-    build_series.TESTS_MESSAGE,
-    build_series.DOCS_MESSAGE,
-    build_series.IN_PLACE_MERGE_MESSAGE,
-]
+    assert MANIFEST[branch]["added_files"] == expected, f"{branch}: rebuild the pull requests"
 
 
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_manifest_patch_names_are_the_commit_subjects(branch: str) -> None:
-    subjects = [m.split("\n", 1)[0] for m in COMMIT_MESSAGES]
-    names = MANIFEST[branch]["patches"]
-    assert len(names) == len(subjects)
-    for index, (name, subject) in enumerate(zip(names, subjects), 1):
-        # git format-patch: NNNN-<subject, runs of other characters as one '-'>, cut to 52
-        sanitized = re.sub(r"[^A-Za-z0-9._]+", "-", subject).strip("-.")[:52].rstrip("-.")
-        assert name == f"{index:04d}-{sanitized}.patch", f"{branch}: rebuild the series"
+def test_patch_names_are_the_commit_subjects(branch: str) -> None:
+    offloader = bool(MANIFEST[branch]["offloader_special_case"])
+    for name in PULL_REQUESTS:
+        _, messages = build_series.pr_texts(name, offloader)
+        names = MANIFEST[branch]["pull_requests"][name]["patches"]
+        assert len(names) == len(messages), f"{branch} {name}: rebuild the pull requests"
+        for index, (patch, message) in enumerate(zip(names, messages), 1):
+            subject = message.split("\n", 1)[0]
+            # git format-patch: NNNN-<subject, runs of other characters as one '-'>, cut to 52
+            sanitized = re.sub(r"[^A-Za-z0-9._]+", "-", subject).strip("-.")[:52].rstrip("-.")
+            assert patch == f"{index:04d}-{sanitized}.patch", f"{branch}: rebuild"
+            assert message.split("\n")[1] == ""
 
 
-def test_commit_messages_fit_e_mail() -> None:
-    for message in [*COMMIT_MESSAGES, build_series.CALL_SITE_MESSAGE_OFFLOADER]:
-        assert max(len(line) for line in message.splitlines()) <= 72
-    assert [m.split("\n")[1] for m in COMMIT_MESSAGES] == [""] * len(COMMIT_MESSAGES)
+def test_readme_table_is_the_one_series_json_gives() -> None:
+    readme = (REPO_ROOT / "upstream" / "README.md").read_text()
+    assert build_series.with_table(readme, MANIFEST) == readme, "run build_series.py build"
+    table = readme.split(build_series.TABLE_BEGIN)[1].split(build_series.TABLE_END)[0]
+    assert f"| **{B}** | **all files** |" in table
+
+
+DESCRIPTION_FACTS = {
+    A: ["#1842", "dp_reshardable", "assert [1] == [3]"],
+    B: [
+        "17.0 -> 8.0",
+        "17.2 -> 8.0",
+        "16.9 -> 8.0",
+        "bitwise identical",
+        "https://github.com/NVIDIA/TransformerEngine/pull/3507",
+        "Restored states continue to own their storage; checkpoint tensors are copied",
+        "https://github.com/pytorch/pytorch/issues/196083",
+        "--no-optimizer-state-adoption",
+        "owns_state_dict=True",
+    ],
+    C: ["0.82 bytes per parameter", IN_PLACE_MERGE.replace("/", ".").removesuffix(".py")],
+    D: [
+        "29 -> 6.0",
+        "16.2 -> 8.1",
+        "bitwise identical",
+        "--precision-aware-optimizer-state-adoption",
+        "docs/api-guide/core/optimizer_state_adoption.md",
+        "https://github.com/NVIDIA/Megatron-LM/pull/7288",
+    ],
+}
+
+
+@pytest.mark.parametrize("offloader", [False, True], ids=["main", "dev"])
+@pytest.mark.parametrize("name", PULL_REQUESTS)
+def test_descriptions_carry_their_facts(name: str, offloader: bool) -> None:
+    description, messages = build_series.pr_texts(name, offloader)
+    for text in (description, *messages):
+        assert max(len(line) for line in text.splitlines()) <= 72
+        assert "[offloader]" not in text and "[docs:" not in text
+    words = " ".join(description.split())
+    for fact in DESCRIPTION_FACTS[name]:
+        assert fact in words, fact
+    source = (build_series.PRS_DIR / f"{name}.md").read_text()
+    assert ("offloader" in words) is (offloader and "[offloader]" in source) or not offloader
 
 
 def test_added_python_files_follow_megatron_lm_black() -> None:
     files = {
         **build_series.subsystem_files(),
+        **{f"(b) {p}": t for p, t in build_series.subsystem_files(final=False).items()},
         **build_series.test_files(True),
         **build_series.in_place_merge_files(),
     }
@@ -151,37 +218,7 @@ def test_added_python_files_follow_megatron_lm_black() -> None:
     assert unformatted == [], "black 26 with Megatron-LM's settings would reformat these"
 
 
-@pytest.mark.parametrize("offloader", [False, True], ids=["main", "dev"])
-def test_cover_letter_has_its_required_content(offloader: bool) -> None:
-    cover = build_series.cover_letter_text(offloader)
-    assert cover.startswith(build_series.COVER_SUBJECT + "\n\n")
-    assert max(len(line) for line in cover.splitlines()) <= 72
-    page = build_series.docs_files()[build_series.DOCS_PAGE]
-    words = " ".join(cover.split())
-    for title in build_series.COVER_SECTIONS:
-        section = build_series.docs_section(page, title)
-        assert f"\n{title}\n{'-' * len(title)}\n\n{build_series.rewrap(section)}" in cover
-        assert " ".join(section.split()) in words
-    for fact in (
-        "https://github.com/NVIDIA/TransformerEngine/pull/3507",
-        "Restored states continue to own their storage; checkpoint tensors are copied",
-        "https://github.com/pytorch/pytorch/issues/196083",
-        "https://github.com/NVIDIA/Megatron-LM/pull/7288",
-        "__setstate__",
-        "name_to_dtype_map",
-        "master_weights",
-        "OptimizerConfig.optimizer_state_adoption",
-        "--no-optimizer-state-adoption",
-        "(#1842)",
-        IN_PLACE_MERGE,
-    ):
-        assert fact in words, fact
-    assert (build_series.COVER_OFFLOADER in cover) is offloader
-
-
 def test_readme_lists_exactly_the_exported_names() -> None:
-    import importlib
-
     package = importlib.import_module("megatron.core.optimizer.state_adoption")
     readme = (REPO_ROOT / "upstream" / "README.md").read_text()
     table = readme.split("## Exported names", 1)[1].split("\n## ", 1)[0]
@@ -195,11 +232,192 @@ def test_readme_lists_exactly_the_exported_names() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# (b)'s subsystem: the final one without what split.toml names
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def b_package(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """(b)'s modules, imported as a package of their own (``b_state_adoption``)."""
+    root = tmp_path_factory.mktemp("b-subsystem")
+    (root / "b_state_adoption").mkdir()
+    for path, text in build_series.subsystem_files(final=False).items():
+        (root / "b_state_adoption" / Path(path).name).write_text(text)
+    sys.path.insert(0, str(root))
+    try:
+        yield importlib.import_module("b_state_adoption")
+    finally:
+        sys.path.remove(str(root))
+
+
+def test_b_package_imports_and_exports_exactly_its_names(b_package: object) -> None:
+    assert sorted(getattr(b_package, "__all__")) == sorted(B_EXPORTS)
+    assert all(hasattr(b_package, name) for name in B_EXPORTS)
+    registry = getattr(b_package, "default_registry")()
+    assert [adopter.name for adopter in registry._adopters.values()] == ["te_fused_adam_fp32"]
+    adopter = importlib.import_module("b_state_adoption.adopter").StateAdopter
+    assert not [m for m in vars(adopter) if m.startswith(("export", "initialize", "read"))]
+
+
+def test_b_keeps_every_name_split_toml_does_not_list() -> None:
+    split = build_series.split_manifest()["modules"]
+    final = build_series.subsystem_files()
+    for path, text in build_series.subsystem_files(final=False).items():
+        name = Path(path).name
+        removed = split.get(name, {}).get("remove", [])
+        expected = _names(final[path])
+        for listed in removed:
+            scope, _, member = listed.rpartition(".")
+            expected[scope].remove(member)
+        if name == "__init__.py":
+            continue  # only imports and the registrations: checked by the package test
+        assert {s: n for s, n in expected.items() if s in _names(text)} == _names(text), name
+
+
+def test_d_only_adds_lines_outside_docstrings_and_imports() -> None:
+    final = build_series.subsystem_files()
+    for path, text in build_series.subsystem_files(final=False).items():
+        tree = ast.parse(text)
+        free = set()  # (b)'s lines that (d) may change: imports, docstrings, __all__
+        for node in (n for n in ast.walk(tree) if isinstance(n, ast.stmt)):
+            is_all = build_series._defined(node) == ["__all__"]
+            if (
+                isinstance(node, (ast.Import, ast.ImportFrom))
+                or build_series._is_string(node)
+                or is_all
+            ):
+                free |= set(range(node.lineno - 1, node.end_lineno or node.lineno))
+        ours, theirs = text.split("\n"), final[path].split("\n")
+        for tag, i1, i2, _, _ in difflib.SequenceMatcher(None, ours, theirs).get_opcodes():
+            if tag in ("replace", "delete"):
+                assert set(range(i1, i2)) <= free, (path, ours[i1:i2])
+
+
+def test_b_then_d_replayed_give_our_files_byte_for_byte(tmp_path: Path) -> None:
+    b_files, d_files = build_series.subsystem_files(final=False), build_series.subsystem_files()
+    work, replay = tmp_path / "work", tmp_path / "replay"
+    for repo in (work, replay):
+        repo.mkdir()
+        _git(repo, "init", "-q")
+        build_series._write(repo, b_files)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", "(b)")
+    build_series._write(work, d_files)
+    _git(work, "add", "-A")
+    _git(work, "commit", "-q", "-m", "(d)")
+    patch = _git(work, "format-patch", "--stdout", "HEAD~1..HEAD")
+    _git(replay, "am", "-q", stdin=patch)
+    for path, content in d_files.items():
+        assert (replay / path).read_bytes() == content.encode(), path
+
+
+def test_a_split_toml_name_that_is_gone_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    split = build_series.split_manifest()
+    split["modules"]["checks.py"]["remove"].append("no_such_function")
+    monkeypatch.setattr(build_series, "split_manifest", lambda: split)
+    with pytest.raises(SeriesError, match="names no_such_function in checks.py"):
+        build_series.subsystem_files(final=False)
+
+
+def test_removing_what_kept_code_uses_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    split = build_series.split_manifest()
+    split["modules"]["checks.py"]["remove"].append("same_memory")
+    monkeypatch.setattr(build_series, "split_manifest", lambda: split)
+    with pytest.raises(SeriesError, match=r"would read \[.*'same_memory'"):
+        build_series.subsystem_files(final=False)
+
+
+def test_prune_source_keeps_black_layout() -> None:
+    source = textwrap.dedent('''\
+        """Module."""
+
+        import os
+        from typing import Dict, List
+
+        #: A constant.
+        LIMIT = 1
+        """Its docstring."""
+
+
+        def kept() -> List[int]:
+            return [LIMIT]
+
+
+        @decorated
+        def gone() -> Dict[str, str]:
+            return dict(os.environ)
+
+
+        class Kept:
+            """Doc."""
+
+            def one(self) -> None:
+                pass
+
+            def two(self) -> None:
+                pass
+        ''')
+    pruned = build_series.prune_source(source, ["gone", "Kept.one"], {"": "New."}, "m.py")
+    assert pruned == textwrap.dedent('''\
+        """New."""
+
+        import os
+        from typing import Dict, List
+
+        #: A constant.
+        LIMIT = 1
+        """Its docstring."""
+
+
+        def kept() -> List[int]:
+            return [LIMIT]
+
+
+        class Kept:
+            """Doc."""
+
+            def two(self) -> None:
+                pass
+        ''')
+    assert _black_clean(pruned)
+    package = build_series.prune_package({"m.py": source}, {"m.py": {"remove": ["gone"]}})
+    assert "import os\n" not in package["m.py"] and "from typing import List\n" in package["m.py"]
+    with pytest.raises(SeriesError, match="would read"):
+        build_series.prune_package({"m.py": source}, {"m.py": {"remove": ["LIMIT"]}})
+
+
+def test_a_missing_test_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    copy = tmp_path / "upstream"
+    shutil.copytree(REPO_ROOT / "upstream" / "tests", copy / "tests")
+    monkeypatch.setattr(build_series, "UPSTREAM_DIR", copy)
+    monkeypatch.setattr(build_series, "REPO_ROOT", tmp_path)
+    roles = copy / build_series.ROLES_TEST
+    roles.unlink()
+    with pytest.raises(SeriesError, match="test_state_adoption_roles.py does not exist"):
+        build_series.test_files(False, build_series.PR_TESTS[D])
+    (copy / "tests/unit_tests/optimizer/test_other.py").write_text("")
+    with pytest.raises(SeriesError, match="no pull request carries"):
+        build_series.test_files(False)
+
+
+def test_b_call_sites_are_the_two_loads_with_a_one_name_import() -> None:
+    b_init = build_series.subsystem_files(final=False)[f"{SUBSYSTEM}/__init__.py"]
+    hunks = build_series.staged_call_site_hunks(
+        build_series.our_hunks(CALL_SITE), set(build_series.package_names(b_init))
+    )
+    first_lines = [h.added[0].strip() for h in hunks]
+    assert first_lines[:2] == [
+        "from megatron.core.optimizer.state_adoption import load_inner_optimizer_state_dict",
+        "load_inner_optimizer_state_dict(self, state_dict)",
+    ]
+    assert len(hunks) == 3 and first_lines[2].startswith("# Optimizer. A registered state adopter")
+    assert "owns_state_dict=True," in [line.strip() for line in hunks[2].added]
+
+
+# ---------------------------------------------------------------------------------------------
 # The generator's rules on synthetic files
 # ---------------------------------------------------------------------------------------------
 
-# The two variants of DistributedOptimizer.load_state_dict's inner load: before and after the
-# chunked offloader's special case; everything around it is the same.
 _SYNTHETIC_HEAD = """\
 from .param_layout import FullParamLayout
 
@@ -474,7 +692,7 @@ def test_bug_fix_hunk_is_only_in_its_own_commit(
 ) -> None:
     text = (REPO_ROOT / "patches" / build_series.BUG_FIX_PATCH).read_text()
     fix = build_series.our_hunks(CALL_SITE, bug_fix=True)
-    assert _changes(fix) == _changes(build_series.parse_hunks(text, CALL_SITE, True))
+    assert _changes(fix) == _changes(build_series.parse_hunks(text, CALL_SITE))
     assert [h.kind for h in fix] == ["insert"]
     assert not set(_changes(fix)) & set(_changes(build_series.our_hunks(CALL_SITE)))
     for path in (NON_DISTRIBUTED_FILE, CONFIG_FILE, UTILS_FILE):
@@ -533,6 +751,25 @@ def test_config_rule_inserts_our_section_before_the_next_one(dev_fields: str) ->
     assert callable(config_class)
     assert config_class().optimizer_state_adoption is True
     assert config_class(optimizer_state_adoption=False).optimizer_state_adoption is False
+    assert config_class().precision_aware_optimizer_state_adoption is False
+
+
+def test_config_rule_for_b_inserts_the_section_without_the_later_field() -> None:
+    later = build_series.split_manifest()["optimizer_config"]
+    hunks = [
+        Hunk(h.before, [], build_series._pruned_block(h.added, later), h.after)
+        for h in build_series.our_hunks(CONFIG_FILE)
+    ]
+    result = build_series.change_optimizer_config(
+        SYNTHETIC_CONFIG.replace("{dev_fields}", ""), hunks
+    )
+    namespace: Dict[str, object] = {}
+    exec(compile(result, "<config>", "exec"), namespace)
+    config = namespace["OptimizerConfig"]()  # type: ignore[operator]
+    assert config.optimizer_state_adoption is True
+    assert not hasattr(config, "precision_aware_optimizer_state_adoption")
+    assert [f.name for f in build_series.config_fields(hunks)] == ["optimizer_state_adoption"]
+    assert "load_state_dict" in result and "precision-aware read targets" not in result
 
 
 @pytest.mark.parametrize(
@@ -608,9 +845,11 @@ def _add_training_args(parser):
 def test_argument_rule_adds_it_after_optimizer_in_the_files_style(
     text: str, black_style: bool
 ) -> None:
-    switch = _switch()
-    result = build_series.add_switch_argument(text, switch)
-    rendered = build_series._block(build_series.render_argument(switch, "group", black_style))
+    fields = _fields()
+    result = build_series.add_switch_arguments(text, fields)
+    rendered = "".join(
+        build_series._block(build_series.render_argument(f, "group", black_style)) for f in fields
+    )
     assert result.replace(rendered, "") == text
     before, after = result.split(rendered)
     if black_style:
@@ -624,8 +863,16 @@ def test_argument_rule_adds_it_after_optimizer_in_the_files_style(
     add_training_args = namespace["_add_training_args"]
     assert callable(add_training_args)
     parser = add_training_args(argparse.ArgumentParser(allow_abbrev=False))
-    assert parser.parse_args([]).optimizer_state_adoption is True
-    assert parser.parse_args(["--no-optimizer-state-adoption"]).optimizer_state_adoption is False
+    defaults = parser.parse_args([])
+    assert defaults.optimizer_state_adoption is True
+    assert defaults.precision_aware_optimizer_state_adoption is False
+    flagged = parser.parse_args(
+        ["--no-optimizer-state-adoption", "--precision-aware-optimizer-state-adoption"]
+    )
+    assert flagged.optimizer_state_adoption is False
+    assert flagged.precision_aware_optimizer_state_adoption is True
+    assert "dest='optimizer_state_adoption'" in rendered
+    assert "dest='precision_aware_optimizer_state_adoption'" not in rendered
 
 
 @pytest.mark.parametrize(
@@ -637,18 +884,28 @@ def test_argument_rule_adds_it_after_optimizer_in_the_files_style(
         ),
         lambda text: text.replace("'--optimizer-cpu-offload'", "'--no-optimizer-state-adoption'"),
         lambda text: text.replace(
+            "'--optimizer-cpu-offload'", "'--precision-aware-optimizer-state-adoption'"
+        ),
+        lambda text: text.replace(
             "action='store_true', help='Offload",
             "action='store_true', dest='optimizer_state_adoption', help='Offload",
         ),
         lambda text: text.replace("def _add_training_args", "def _add_other_args"),
     ],
-    ids=["anchor missing", "anchor twice", "flag exists", "dest exists", "function missing"],
+    ids=[
+        "anchor missing",
+        "anchor twice",
+        "flag exists",
+        "other flag exists",
+        "dest exists",
+        "function missing",
+    ],
 )
 def test_argument_rule_refuses(mutate) -> None:  # type: ignore[no-untyped-def]
     text = mutate(SYNTHETIC_ARGUMENTS_DEV)
     assert text != SYNTHETIC_ARGUMENTS_DEV
     with pytest.raises(SeriesError):
-        build_series.add_switch_argument(text, _switch())
+        build_series.add_switch_arguments(text, _fields())
 
 
 SYNTHETIC_TRAINING = """\
@@ -668,8 +925,9 @@ def get_megatron_optimizer_config(args):
 
 
 def test_config_from_args_rule() -> None:
-    switch = _switch()
-    build_series.check_config_copied_from_args(SYNTHETIC_TRAINING, switch)
+    switch = _fields()[0]
+    for field_ in _fields():
+        build_series.check_config_copied_from_args(SYNTHETIC_TRAINING, field_)
     for broken in (
         SYNTHETIC_TRAINING.replace("if hasattr(args, f.name):", "if f.name in ('lr',):"),
         SYNTHETIC_TRAINING.replace(
@@ -698,43 +956,88 @@ def test_rewrap_keeps_lists_and_refuses_code() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # With a Megatron-LM git directory: the series built at the recorded snapshots
+
+
+# ---------------------------------------------------------------------------------------------
+# With a Megatron-LM git directory: the pull requests built at the recorded snapshots
 # ---------------------------------------------------------------------------------------------
 
 needs_mirror = pytest.mark.skipif(
     not (MIRROR / "HEAD").exists(),
-    reason="no Megatron-LM git directory (set MEGATRON_LM_GIT_DIR, e.g. to the fetched mirror "
-    "/work/.mirror/NVIDIA+Megatron-LM/repo); the checks above ran without it",
+    reason="no Megatron-LM git directory (set MEGATRON_LM_GIT_DIR to one, e.g. a fetched mirror "
+    "of github:NVIDIA/Megatron-LM); the checks above ran without it",
 )
 
 
+@dataclass
+class FileDiff:
+    """One file's diff in a format-patch file."""
+
+    path: str
+    pre_blob: str
+    new_file: bool
+    hunks: List[Hunk]
+
+    def new_content(self) -> str:
+        """The whole content of a new file (its single hunk's added lines)."""
+        assert self.new_file and len(self.hunks) == 1
+        return build_series._block(self.hunks[0].added)
+
+
+def read_series_patch(text: str) -> List[FileDiff]:
+    """Split a ``git format-patch`` file into per-file diffs."""
+    diffs: List[FileDiff] = []
+    sections = re.split(r"^diff --git a/\S+ b/(\S+)\n", text, flags=re.MULTILINE)
+    for path, body in zip(sections[1::2], sections[2::2]):
+        index = re.search(r"^index ([0-9a-f]+)\.\.", body, re.MULTILINE)
+        if index is None:
+            raise AssertionError(f"no index line for {path}")
+        body = body.split("\n-- \n")[0]  # a signature, if any
+        diffs.append(
+            FileDiff(
+                path=path,
+                pre_blob=index.group(1),
+                new_file="\nnew file mode" in "\n" + body.split("@@")[0],
+                hunks=build_series.parse_hunks(f"+++ b/{path}\n" + body[body.index("@@") :], path),
+            )
+        )
+    return diffs
+
+
 class Built:
-    """The series of one branch, built at its recorded snapshot.
+    """The pull requests of one branch, built at its recorded snapshot.
 
     Attributes:
-        commits: per commit message (as in ``COMMIT_MESSAGES``), its diffs by path.
-        diffs: by path, the diff of the last commit that changes the file.
-        first_diffs: by path, the diff of the first commit that changes the file.
+        prs: per pull request, its diffs by path (per commit, in order).
+        trees: the snapshot's touched files after (a), after (b), ..., by pull request.
     """
 
     def __init__(self, branch: str, out: Path) -> None:
         entry = MANIFEST[branch]
+        self.entry = entry
         self.snapshot = build_series.Snapshot.from_git_dir(
             MIRROR, branch, str(entry["snapshot_commit"])
         )
         name, email = str(entry["author"])[:-1].split(" <")
-        self.patches = build_series.build(self.snapshot, out, identity=(name, email))
-        patches = build_series.code_patches(self.patches)
-        assert len(patches) == len(COMMIT_MESSAGES)
-        self.commits: Dict[str, Dict[str, FileDiff]] = {
-            message: {d.path: d for d in build_series.read_series_patch(patch.read_text())}
-            for message, patch in zip(COMMIT_MESSAGES, patches)
+        self.identity = (name, email)
+        self.patches = build_series.build(self.snapshot, out, identity=self.identity)
+        self.by_pr = build_series.by_pull_request(self.patches)
+        self.prs: Dict[str, List[Dict[str, FileDiff]]] = {
+            pr: [{d.path: d for d in read_series_patch(p.read_text())} for p in patches]
+            for pr, patches in self.by_pr.items()
         }
-        self.diffs: Dict[str, FileDiff] = {}
-        self.first_diffs: Dict[str, FileDiff] = {}
-        for diffs in self.commits.values():
-            self.diffs.update(diffs)
-            for path, diff in diffs.items():
-                self.first_diffs.setdefault(path, diff)
+
+    def changed(self, pr: str) -> Dict[str, FileDiff]:
+        """The diffs of ``pr``, by path (a path two commits change: the later one's)."""
+        return {path: diff for commit in self.prs[pr] for path, diff in commit.items()}
+
+    def applied(self, tree: Path, upto: str) -> Path:
+        """A full work tree of the snapshot with the pull requests up to ``upto`` applied."""
+        build_series.work_tree(MIRROR, self.snapshot.commit, tree)
+        for pr in PULL_REQUESTS[: PULL_REQUESTS.index(upto) + 1]:
+            for patch in self.by_pr[pr]:
+                subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+        return tree
 
 
 @pytest.fixture(scope="module")
@@ -745,37 +1048,51 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Built]
 
 @needs_mirror
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_built_series_is_recorded_and_applies_to_a_full_work_tree(
-    built: Dict[str, Built], branch: str
-) -> None:
+def test_built_pull_requests_are_recorded_and_apply(built: Dict[str, Built], branch: str) -> None:
     series, entry = built[branch], MANIFEST[branch]
     for recorded, files in (
         ("pre_image_blobs", series.snapshot.files),
         ("checked_blobs", series.snapshot.checked),
     ):
         assert {p: build_series.blob_id(c) for p, c in files.items()} == entry[recorded]
-    assert [p.name for p in series.patches] == [COVER_LETTER, *entry["patches"]]
+    for pr, patches in series.by_pr.items():
+        assert [p.name for p in patches] == entry["pull_requests"][pr]["patches"]
+        assert build_series.line_counts(patches) == entry["pull_requests"][pr]["lines"]
+        cover = (series.patches[0].parent.parent / pr / COVER_LETTER).read_text()
+        words = " ".join(cover.split())
+        for patch in patches:  # format-patch's shortlog names every commit
+            subject = re.search(
+                rf"^Subject: \[PATCH \d/{len(patches)}\] (.*(?:\n .*)*)",
+                patch.read_text(),
+                re.MULTILINE,
+            )
+            assert subject is not None and " ".join(subject.group(1).split()) in words
     check = build_series.apply_check(MIRROR, series.snapshot.commit, series.patches)
     assert check == entry["git_apply_check"]
-    added = sorted(path for path, diff in series.diffs.items() if diff.new_file)
+    added = sorted(p for pr in PULL_REQUESTS for p, d in series.changed(pr).items() if d.new_file)
     assert added == entry["added_files"]
-    changed = sorted(path for path, diff in series.diffs.items() if not diff.new_file)
-    assert changed == sorted(build_series.TOUCHED_UPSTREAM_FILES)
-    for path in changed:
-        assert str(entry["pre_image_blobs"][path]).startswith(series.first_diffs[path].pre_blob)
-    cover = " ".join(series.patches[0].read_text().split())
-    for patch in series.patches[1:]:  # format-patch's shortlog names every commit
-        subject = re.search(
-            rf"^Subject: \[PATCH \d/{len(COMMIT_MESSAGES)}\] (.*(?:\n .*)*)",
-            patch.read_text(),
-            re.MULTILINE,
-        )
-        assert subject is not None and " ".join(subject.group(1).split()) in cover
 
 
 @needs_mirror
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_every_added_file_is_its_source(built: Dict[str, Built], branch: str) -> None:
+def test_a_second_build_is_byte_identical(
+    built: Dict[str, Built], branch: str, tmp_path: Path
+) -> None:
+    series = built[branch]
+    again = build_series.build(series.snapshot, tmp_path, identity=series.identity)
+    assert [p.relative_to(tmp_path) for p in again] == [
+        p.relative_to(series.patches[0].parent.parent) for p in series.patches
+    ]
+    for first, second in zip(series.patches, again):
+        assert first.read_bytes() == second.read_bytes(), first.name
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_after_all_four_every_added_file_is_its_source(
+    built: Dict[str, Built], branch: str, tmp_path: Path
+) -> None:
+    tree = built[branch].applied(tmp_path, D)
     offloader = built[branch].snapshot.offloader
     expected = {
         **build_series.subsystem_files(),
@@ -783,137 +1100,130 @@ def test_every_added_file_is_its_source(built: Dict[str, Built], branch: str) ->
         **build_series.docs_files(),
         **build_series.in_place_merge_files(),
     }
-    added = {path: d.new_content() for path, d in built[branch].diffs.items() if d.new_file}
-    assert sorted(added) == sorted(expected)
     for path, content in expected.items():
-        assert added[path] == content, path
+        assert (tree / path).read_text() == content, path
+    for path in build_series.subsystem_files():  # (b) adds them, (d) changes them
+        assert built[branch].changed(B)[path].new_file, path
 
 
 @needs_mirror
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_call_sites_make_our_patch_changes(built: Dict[str, Built], branch: str) -> None:
-    diffs = built[branch].commits[build_series.CALL_SITE_MESSAGE]
-    assert sorted(diffs) == sorted([CALL_SITE, NON_DISTRIBUTED_FILE])
-    if not built[branch].snapshot.offloader:
-        for path in (CALL_SITE, NON_DISTRIBUTED_FILE):
-            assert _changes(diffs[path].hunks) == _changes(build_series.our_hunks(path)), path
-        return
-    # dev: optimizer.py as ours, up to indentation (a load inside the offloader's guard)
-    ours = build_series.our_hunks(NON_DISTRIBUTED_FILE)
-    assert _changes(diffs[NON_DISTRIBUTED_FILE].hunks, True) == _changes(ours, True)
-    # dev: distrib_optimizer.py carries every line we add, removes no offloader line and
-    # guards each export
-    added = [line.strip() for h in diffs[CALL_SITE].hunks for line in h.added]
-    removed = [line for h in diffs[CALL_SITE].hunks for line in h.removed]
-    ours = build_series.our_hunks(CALL_SITE)
-    for hunk in ours:
-        comments, code = build_series._split_comments(hunk.added)
-        for line in comments if hunk.kind == "load" else hunk.added:
-            assert line.strip() in added, line
-    # our load call (patches/0001), with dev's variable for the dict it assembles
-    assert (
-        "load_inner_optimizer_state_dict(self, optimizer_state_dict, owns_state_dict=True)" in added
+def test_a_is_the_bug_fix_alone(built: Dict[str, Built], branch: str) -> None:
+    series = built[branch]
+    ((commit),) = series.prs[A]
+    assert sorted(commit) == sorted([CALL_SITE, build_series.ADAM_STEP_TEST])
+    fix = build_series.our_hunks(CALL_SITE, bug_fix=True)
+    assert _changes(commit[CALL_SITE].hunks) == _changes(fix)
+    assert build_series.blob_id(series.snapshot.files[CALL_SITE]).startswith(
+        commit[CALL_SITE].pre_blob
     )
-    assert not any("_optimizer_state_offloader" in line for line in removed)
-    assert added.count(build_series.OFFLOADER_GUARD) == sum(h.kind == "export" for h in ours)
+    fix_lines = {line for hunk in fix for line in hunk.added}
+    for pr in (B, C, D):
+        for diff in series.changed(pr).values():
+            assert not fix_lines & {line for h in diff.hunks for line in h.added}, pr
 
 
 @needs_mirror
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_config_field_and_argument_are_the_generated_ones(
+def test_c_adds_the_merge_and_changes_cat_with_oom_fallback(
     built: Dict[str, Built], branch: str
 ) -> None:
-    ours = build_series.our_hunks(CONFIG_FILE)
-    theirs = built[branch].diffs[CONFIG_FILE].hunks
-    assert _changes(theirs) == _changes(ours)
-    for mine, their in zip(ours, theirs):  # before the same section, after the same blank line
-        assert their.after == mine.after and their.before[-1:] == mine.before[-1:]
-        if not built[branch].snapshot.offloader:  # main: our patch as it is
-            assert their.before == mine.before
-    switch = _switch()
-    (hunk,) = built[branch].diffs[ARGUMENTS_FILE].hunks
-    assert hunk.removed == []
-    assert hunk.added == build_series.render_argument(switch, "group", branch == "dev")
-    statement = build_series._block(hunk.added)
-    call = ast.parse(textwrap.dedent(statement)).body[0]
-    assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
-    assert [ast.literal_eval(a) for a in call.value.args] == ["--no-optimizer-state-adoption"]
-    build_series.check_switch_argument(statement, switch)
+    series = built[branch]
+    diffs = series.changed(C)
+    assert sorted(diffs) == sorted([IN_PLACE_MERGE, IN_PLACE_MERGE_TEST, UTILS_FILE])
+    assert (
+        diffs[IN_PLACE_MERGE].new_content() == build_series.in_place_merge_files()[IN_PLACE_MERGE]
+    )
+    utils = diffs[UTILS_FILE]
+    assert build_series.blob_id(series.snapshot.files[UTILS_FILE]).startswith(utils.pre_blob)
+    assert _changes(utils.hunks) == _changes(build_series.our_hunks(UTILS_FILE))
+    for pr in (A, B, D):
+        assert not set(series.changed(pr)) & set(diffs), pr
+        assert "megatron/core/transformer/mlp.py" not in series.changed(pr)
 
 
 @needs_mirror
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_changed_python_files_stay_black_clean(
+def test_b_and_d_make_our_call_site_changes(
     built: Dict[str, Built], branch: str, tmp_path: Path
+) -> None:
+    series = built[branch]
+    b, d = series.changed(B), series.changed(D)
+    assert CALL_SITE in b and NON_DISTRIBUTED_FILE not in b
+    b_added = [line.strip() for h in b[CALL_SITE].hunks for line in h.added]
+    assert [line for line in b_added if line.startswith("load_inner_optimizer_state_dict(")] == [
+        "load_inner_optimizer_state_dict(self, state_dict)",
+        (
+            "load_inner_optimizer_state_dict(self, optimizer_state_dict, owns_state_dict=True)"
+            if series.snapshot.offloader
+            else "load_inner_optimizer_state_dict("
+        ),
+    ]
+    for name in ("export_", "initialize_", "reading_", "unscaled_", "store_read"):
+        assert not [line for line in b_added if name in line], name
+    ours = build_series.our_hunks(NON_DISTRIBUTED_FILE)
+    assert _changes(d[NON_DISTRIBUTED_FILE].hunks, True) == _changes(ours, True)
+    fixed = build_series.change_file(
+        series.snapshot.files[CALL_SITE], build_series.our_hunks(CALL_SITE, bug_fix=True),
+        CALL_SITE, False,
+    )  # fmt: skip
+    final = build_series.change_file(
+        fixed, build_series.our_hunks(CALL_SITE), CALL_SITE, series.snapshot.offloader
+    )
+    assert (series.applied(tmp_path, D) / CALL_SITE).read_text() == final
+    if series.snapshot.offloader:
+        build_series.check_offloader_path_kept(final)
+        removed = [
+            line for pr in (B, D) for h in series.changed(pr)[CALL_SITE].hunks for line in h.removed
+        ]
+        assert not any("_optimizer_state_offloader" in line for line in removed)
+        return
+    # main: (a)'s file to the final one is exactly our patch's hunks
+    diff = difflib.unified_diff(fixed.splitlines(), final.splitlines(), lineterm="", n=3)
+    hunks = build_series.parse_hunks(f"+++ b/{CALL_SITE}\n" + "\n".join(list(diff)[2:]), CALL_SITE)
+    assert _changes(hunks) == _changes(build_series.our_hunks(CALL_SITE))
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_config_fields_and_arguments_are_the_generated_ones(
+    built: Dict[str, Built], branch: str
+) -> None:
+    series = built[branch]
+    first, later = _fields()
+    black_style = branch == "dev"
+    for pr, field_ in ((B, first), (D, later)):
+        (hunk,) = series.changed(pr)[ARGUMENTS_FILE].hunks
+        assert hunk.removed == []
+        assert hunk.added == build_series.render_argument(field_, "group", black_style)
+        statement = build_series._block(hunk.added)
+        call = ast.parse(textwrap.dedent(statement)).body[0]
+        assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
+        assert [ast.literal_eval(a) for a in call.value.args] == [
+            build_series.argument_flag(field_)
+        ]
+        build_series.check_switch_argument(statement, field_)
+    added = {pr: "".join(series.changed(pr)[CONFIG_FILE].hunks[0].added) for pr in (B, D)}
+    assert f"{first.name}: bool = True" in added[B] and later.name not in added[B]
+    assert f"{later.name}: bool = False" in added[D]
+    ours = build_series.our_hunks(CONFIG_FILE)
+    (hunk,) = series.changed(B)[CONFIG_FILE].hunks
+    assert hunk.after == ours[0].after and hunk.before[-1:] == ours[0].before[-1:]
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+@pytest.mark.parametrize("upto", [B, D])
+def test_changed_python_files_stay_black_clean(
+    built: Dict[str, Built], branch: str, upto: str, tmp_path: Path
 ) -> None:
     """A changed file the snapshot has black-clean (all but main's arguments.py and dev's
     transformer/utils.py) stays so."""
     series = built[branch]
-    build_series.work_tree(MIRROR, series.snapshot.commit, tmp_path)
-    subprocess.run(
-        ["git", "apply", *map(str, build_series.code_patches(series.patches))],
-        cwd=tmp_path,
-        check=True,
-    )
+    tree = series.applied(tmp_path, upto)
     checked = []
     for path, before in series.snapshot.files.items():
         if path.endswith(".py") and _black_clean(before):
-            assert _black_clean((tmp_path / path).read_text()), path
+            assert _black_clean((tree / path).read_text()), path
             checked.append(path)
     assert len(checked) == 4
-
-
-@needs_mirror
-@pytest.mark.parametrize("branch", BRANCHES)
-def test_bug_fix_is_the_first_commit_alone_and_not_repeated(
-    built: Dict[str, Built], branch: str
-) -> None:
-    series = built[branch]
-    fix = build_series.our_hunks(CALL_SITE, bug_fix=True)
-    (first_message, first), *later = series.commits.items()
-    assert first_message == build_series.BUG_FIX_MESSAGE and sorted(first) == [CALL_SITE]
-    assert _changes(first[CALL_SITE].hunks) == _changes(fix)
-    before = series.snapshot.files[CALL_SITE]
-    assert build_series.blob_id(before).startswith(first[CALL_SITE].pre_blob)
-    # the call sites apply to the fixed file, and only one commit carries the fix
-    fixed = build_series.change_file(before, fix, CALL_SITE, False)
-    call_site = series.commits[build_series.CALL_SITE_MESSAGE][CALL_SITE]
-    assert build_series.blob_id(fixed).startswith(call_site.pre_blob)
-    fix_lines = {line for hunk in fix for line in hunk.added}
-    for message, diffs in later:
-        for diff in diffs.values():
-            assert not fix_lines & {line for h in diff.hunks for line in h.added}, message
-    assert [message for message, diffs in later if CALL_SITE in diffs] == [
-        build_series.CALL_SITE_MESSAGE
-    ]
-
-
-@needs_mirror
-@pytest.mark.parametrize("branch", BRANCHES)
-def test_in_place_merge_commit_adds_our_module_and_changes_the_merge(
-    built: Dict[str, Built], branch: str
-) -> None:
-    series = built[branch]
-    diffs = series.commits[build_series.IN_PLACE_MERGE_MESSAGE]
-    assert sorted(diffs) == sorted([IN_PLACE_MERGE, IN_PLACE_MERGE_TEST, UTILS_FILE])
-    assert diffs[IN_PLACE_MERGE].new_file and diffs[IN_PLACE_MERGE_TEST].new_file
-    header = build_series.PYTHON_HEADER
-    module = diffs[IN_PLACE_MERGE].new_content()
-    assert module.startswith(header)
-    ours = (REPO_ROOT / IN_PLACE_MERGE).read_text()
-    assert module.removeprefix(header) == ours.removeprefix(header)
-    test = diffs[IN_PLACE_MERGE_TEST].new_content()
-    assert test == (REPO_ROOT / "upstream" / IN_PLACE_MERGE_TEST).read_text()
-    # utils.py: exactly patches/0004's hunks (the import, cat_with_oom_fallback's view first)
-    utils = diffs[UTILS_FILE]
-    assert build_series.blob_id(series.snapshot.files[UTILS_FILE]).startswith(utils.pre_blob)
-    assert _changes(utils.hunks) == _changes(build_series.our_hunks(UTILS_FILE))
-    assert [h for h in utils.hunks if "def cat_with_oom_fallback(sub_state_dict):" in h.before]
-    added = [line.strip() for h in utils.hunks for line in h.added]
-    assert "from megatron.core.dist_checkpointing.in_place_merge import concatenated_view" in added
-    assert "merged = concatenated_view(sub_state_dict)" in added
-    # no other commit touches these files, and the merge of older releases (mlp.py) is absent
-    for message, other in series.commits.items():
-        if message != build_series.IN_PLACE_MERGE_MESSAGE:
-            assert not set(other) & set(diffs), message
-    assert "megatron/core/transformer/mlp.py" not in series.diffs
