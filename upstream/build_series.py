@@ -399,13 +399,9 @@ def check_offloader_path_kept(text: str) -> None:
 
 
 def staged_call_site_hunks(hunks: Sequence[Hunk], available: Set[str]) -> List[Hunk]:
-    """The hunks of ``distrib_optimizer.py`` that call only ``available`` subsystem functions,
-    after the import of the subsystem trimmed to the names they call.
-
-    Args:
-        hunks: our patch's hunks for the file (one of them the subsystem's import).
-        available: the names the subsystem exports at this stage.
-    """
+    """Of our ``distrib_optimizer.py`` ``hunks``, those that call only subsystem functions in
+    ``available`` (what the subsystem exports at this stage), after the subsystem's import hunk
+    trimmed to the names they call."""
     package = SUBSYSTEM.replace("/", ".")
     exported = set(package_names((REPO_ROOT / SUBSYSTEM / "__init__.py").read_text()))
     staged: List[Hunk] = []
@@ -548,14 +544,9 @@ def _help_segments(text: str, width: int) -> List[str]:
 
 
 def render_argument(field_: ConfigField, group: str, black_style: bool) -> List[str]:
-    """The ``add_argument`` statement for ``field_``, in the style of the file it goes into.
-
-    Args:
-        field_: the config field the argument sets (a ``bool``: ``store_false`` for a field that
-            is True by default, ``store_true`` for one that is False).
-        group: the argument group's variable name.
-        black_style: black's layout (``dev``) instead of the hand-wrapped one (``main``).
-    """
+    """The ``<group>.add_argument`` statement for the bool ``field_`` (``store_false`` for one
+    that is True by default, else ``store_true``), in black's layout (``dev``) or the
+    hand-wrapped one (``main``)."""
     if field_.annotation != "bool" or not isinstance(field_.default, bool):
         raise SeriesError(f"{CONFIG_FILE}: {field_.name} is no bool with a default; no argument")
     flag = argument_flag(field_)
@@ -1253,12 +1244,8 @@ def _write(root: Path, files: Dict[str, str]) -> None:
 
 @dataclass
 class Snapshot:
-    """The Megatron-LM files the series reads, from one commit of one branch.
-
-    Attributes:
-        files: the files the series changes (``TOUCHED_UPSTREAM_FILES``).
-        checked: the files it only reads to check an assumption (``CHECKED_UPSTREAM_FILES``).
-    """
+    """The Megatron-LM files the pull requests change (``files``) and only read to check an
+    assumption (``checked``), from one commit of one branch."""
 
     branch: str
     commit: str
@@ -1289,16 +1276,9 @@ def build(
     snapshot: Snapshot, out_dir: Path, identity: Optional[Tuple[str, str]] = None
 ) -> List[Path]:
     """Write the pull requests for ``snapshot`` into ``out_dir/<pull request>/`` (``out_dir``
-    emptied first); return every patch, cover letters included, in the order they apply.
-
-    Each pull request is a branch on the previous one's tip in a scratch repository, its
-    description the branch's (``git format-patch --cover-letter``).
-
-    Args:
-        snapshot: the Megatron-LM files the pull requests change.
-        out_dir: where the pull requests go.
-        identity: (name, email) of the author; defaults to this repository's git user.
-    """
+    emptied first) and return every patch, cover letters included, in the order they apply.
+    Each is a branch on the previous one's tip in a scratch repository, whose description is its
+    cover letter's. ``identity``: (name, email) of the author, default this repository's user."""
     name, email = identity or _identity()
     env = _commit_env(name, email)
     prs = pull_requests(snapshot)
