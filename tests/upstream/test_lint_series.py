@@ -235,6 +235,14 @@ def test_an_added_file_must_be_clean() -> None:
     assert _codes(report.new, "tests/unit_tests/lint_probe/test_clean.py") == set()
 
 
+def test_pull_request_b_subsystem_is_clean() -> None:
+    """(b)'s modules (the final ones without what upstream/prs/split.toml names) pass
+    Megatron-LM's lint as the final ones do."""
+    files = build_series.subsystem_files(final=False)
+    report = lint({p: LintInput(p, text, None, f"(b) {p}") for p, text in files.items()})
+    assert report.new == []
+
+
 def test_megatron_lms_path_rules_apply() -> None:
     test_file = DEFECTS["long_line"][0].replace(HEADER + "\n\n", "")
     inputs = {
