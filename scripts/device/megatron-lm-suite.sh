@@ -35,7 +35,7 @@ print(*c, sep="\n")')
 pack() { tar -czf "$out/suite.tgz.part" -C "$results" . 2>/dev/null && mv "$out/suite.tgz.part" "$out/suite.tgz"; }
 ( while sleep 20; do pack; done ) &
 packer=$!
-[[ ${GPU_TESTS:-1} == 0 ]] || PYTHONPATH=/tmp/mc-build:/tmp/te timeout 420 python3 -m pytest tests/gpu \
+[[ ${GPU_TESTS:-1} == 0 ]] || PYTHONPATH=/tmp/mc-build:/tmp/te timeout "${GPU_TESTS_SECONDS:-420}" python3 -m pytest tests/gpu \
   -q -rA -p no:cacheprovider --ignore=tests/gpu/test_multirank_gpu.py > "$results/gpu-tests.log" 2>&1 &
 for i in "${!configs[@]}"; do
   config=${configs[$i]} root=/tmp

@@ -423,3 +423,22 @@ def test_each_rule_declines_by_its_reason_and_changes_nothing(
     answer = getattr(precision_aware_adopter(), CHECKS[role])(context)
     assert answer is not None and reason in answer, answer
     assert {id(p): {k: id(v) for k, v in e.items()} for p, e in case.o.state.items()} == before
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_scaffold_of_uninitialized_memory_is_installed_even_where_its_bits_read_as_nan(
+    mode: str,
+) -> None:
+    """MCore builds the scaffold with ``torch.empty`` and reads the checkpoint into it afterwards
+    (the read targets are the installed tensors): whatever bits it holds, NaN patterns included,
+    it is installed by reference, not left to TE's loader."""
+    adopted = _optimizer(mode)
+    scaffold = _scaffold(adopted)
+    for entry in scaffold["state"].values():
+        entry["exp_avg"].view(torch.int16).view(-1)[:3] = torch.tensor([0x7F81, -0x7F, 0x7FFF])  # NaNs
+    outcome = _load(adopted, scaffold)
+    assert outcome.adopter == NAME and outcome.allocated_bytes == 0
+    assert all(
+        a is b
+        for a, b in zip(_held(adopted), [t for e in scaffold["state"].values() for t in e.values()])
+    )

@@ -156,7 +156,7 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
 class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
     """Installs MCore's scaffold by reference (TE's scales of one), exports the held tensors,
     offers the held BF16 moments as read targets (``torch_dist`` casts into them as TE's
-    ``copy_(fp32.bfloat16())``) and keeps the held state handed back. BF16 state holding a NaN
+    ``copy_(fp32.bfloat16())``) and keeps the held state handed back. A payload holding a NaN
     declines (TE's loader makes it canonical).
 
     Opt-in. Megatron-Core registers one as ``te_fused_adam_bf16``, which acts where
@@ -193,21 +193,25 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         return self._name
 
     def decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Accept a payload to store into the held state, or a scaffold to install."""
+        """Accept a payload to keep in the held state, or a scaffold to install.
+
+        The payload (the held state handed back) holds checkpoint values: one holding a NaN
+        declines. A scaffold is state the call site built (``owns_state_dict``) and fills from the
+        checkpoint afterwards, through the read targets: installed as it is, uninitialized
+        memory included.
+        """
         reason = self._opt_in_problem(context) or self._mode_problem(
             context, _bf16_settings_problem
         )
         if reason is not None:
             return reason
         payload = self._payload_problem(context)
-        scaffold = None
-        if payload is not None:
-            expected = partial(_expected, context.optimizer)
-            scaffold = checks.incoming_state_problem(context, self._param_problem, expected)
-        if scaffold is not None:
-            return f"no payload ({payload}), no scaffold ({scaffold})"
-        assert context.state_dict is not None
-        return _nan_problem(checks.tensors_of(context.state_dict["state"]))
+        if payload is None:
+            assert context.state_dict is not None
+            return _nan_problem(checks.tensors_of(context.state_dict["state"]))
+        expected = partial(_expected, context.optimizer)
+        scaffold = checks.incoming_state_problem(context, self._param_problem, expected)
+        return None if scaffold is None else f"no payload ({payload}), no scaffold ({scaffold})"
 
     def adopt(self, context: AdoptionContext) -> None:
         """Install the scaffold by reference, or keep the held state handed back (the payload:
