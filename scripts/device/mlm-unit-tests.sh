@@ -93,7 +93,7 @@ cmd_stage() {
   cp -r ../shared/gpu-wheels .gpu/wheels && chmod -R u+w .gpu/wheels
   local upstream_wheel
   upstream_wheel=$(ls .gpu/wheels/megatron_core-0.19.2-*.whl | head -n 1)
-  MCORE_UPSTREAM_WHEEL=$repo/$upstream_wheel "$build_py" -m pip wheel -q --no-deps -w .gpu/dist-0.19.2 .
+  MCORE_UPSTREAM_WHEEL=$repo/$upstream_wheel "$build_py" -m pip wheel -q --no-cache-dir --no-deps -w .gpu/dist-0.19.2 .
   mkdir -p .gpu/mlm-unit
   "$build_py" -m pip download -q --no-deps --only-binary=:all: -d .gpu/mlm-unit mock==5.2.0
   local tmp
