@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mutation testing of megatron/core/optimizer/state_adoption with mutmut (issue #11).
+# Mutation testing of megatron/core/optimizer/state_adoption with mutmut.
 #
 #   bash scripts/mutation-test.sh [--diffs] [mutant name glob ...]
 #

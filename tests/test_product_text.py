@@ -24,15 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: Files other changes are rewriting, whose history markers are left to them. Temporary: each
 #: entry is removed with the last marker of its file (test_pending_rewrite_lists_only_files_with_hits).
-PENDING_REWRITE: frozenset[str] = frozenset(
-    {
-        "benchmarks/resume_benchmark/report.py",
-        "scripts/device/mcore_dtype_read.py",
-        "tests/benchmark/test_run_benchmark_offline.py",
-        "tests/gpu/test_dtensor_te_gpu.py",
-        "tests/gpu/test_read_targets_gpu.py",
-    }
-)
+PENDING_REWRITE: frozenset[str] = frozenset()
 
 DOCS_LIMIT_BYTES = 3_000_000
 _MARKER = re.compile(
@@ -79,11 +71,12 @@ def _scanned(path: str) -> bool:
     suffix = Path(path).suffix
     if path == "tests/test_product_text.py":  # its examples of markers
         return False
-    if path == "README.md" or path == "upstream/README.md":
+    if path in ("README.md", "pyproject.toml", "upstream/README.md"):
         return True
-    if path.startswith(("docs/", "examples/")):
+    if path.startswith(("upstream/prs/", "upstream/docs/", "upstream/tests/")):
         return suffix in _TEXT_SUFFIXES
-    return path.startswith(("megatron/", "benchmarks/", "scripts/", "tests/")) and suffix == ".py"
+    roots = ("docs/", "examples/", "megatron/", "benchmarks/", "scripts/", "tests/", ".ci/")
+    return path.startswith(roots) and (suffix in _TEXT_SUFFIXES or path.startswith(".ci/"))
 
 
 def _history_markers() -> dict[str, list[str]]:

@@ -32,7 +32,7 @@ from benchmarks.resume_benchmark.memory_timeline import phase_levels
 from benchmarks.resume_benchmark.results import OWN_LOADER, adopters_that_handled, write_json
 
 #: Tolerance of "the measured bytes equal the expectation": max(relative, absolute). Relative:
-#: 0.05 B over the 8 B of FP32 moments per element (issue #29's floor, 8.05 B/param).
+#: 0.05 B over the 8 B of FP32 moments per element (the floor's tolerance, 8.05 B/param).
 RELATIVE_TOLERANCE: Final = 0.05 / FP32_MOMENT_PAIR_BYTES
 ABSOLUTE_TOLERANCE: Final = 1 << 20
 

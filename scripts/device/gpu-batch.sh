@@ -7,8 +7,7 @@
 #                                        # pretrain_gpt.py arguments), the GPU tests (one GPU and
 #                                        # the 2-rank test), Megatron-LM's unit tests of main
 #   bash scripts/device/gpu-batch.sh 2   # Megatron-LM's unit tests of dev
-# (One GPU: scripts/device/megatron-lm-suite.sh and megatron-lm-client.sh. Before session 14 this
-# script also drove the benchmark's own-GPT harness: see `git show f65c253:scripts/device/gpu-batch.sh`.)
+# (One GPU: scripts/device/megatron-lm-suite.sh and megatron-lm-client.sh.)
 # Needs .gpu/ from scripts/device/make-bundle.sh plus .gpu/mlm-client (see megatron-lm-suite.sh).
 # LANE_SECONDS bounds every lane (default 530).
 set -uo pipefail

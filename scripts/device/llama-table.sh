@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 (device kind nvidia-h200): issue #29's table, re-run. A Llama-style GPT of 1.02 B
+# One H200 (device kind nvidia-h200): a Llama-style GPT of 1.02 B
 # parameters (18 layers, hidden 2048, FFN 5632, 16 heads in 4 query groups, SwiGLU, RMSNorm,
 # RoPE, untied embeddings, no biases, seq 1024, vocab 50304) given to the resume benchmark as a
 # user's own pretrain_gpt.py arguments, one run per row, side by side through

@@ -1,4 +1,4 @@
-"""Fact-finding for issue #20 (run on a GPU): can megatron-core's torch_dist load read FP32
+"""A GPU probe: can megatron-core's torch_dist load read FP32
 checkpoint tensors straight into BF16 / FP16 targets, in place, bit for bit as TE's cast?"""
 import os, tempfile, torch, torch.distributed as dist
 

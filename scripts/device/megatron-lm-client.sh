@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# One H200 (device kind nvidia-h200): the Megatron-LM client of the resume benchmark (issue #21),
+# One H200 (device kind nvidia-h200): the Megatron-LM client of the resume benchmark,
 # Megatron-LM core_r0.19.0's pretrain_gpt.py on a ~1.07 B-parameter GPT, upstream megatron-core
-# 0.19.2 against the build (configuration dp-reshardable, size 1b; session 13 ran the same
-# arguments through the former `megatron-lm` subcommand); everything lands in
+# 0.19.2 against the build (configuration dp-reshardable, size 1b); everything lands in
 # $OUT/mlm-<MODE>.{json,md,log} and $OUT/dp-reshardable.png.
 #   bash scripts/device/megatron-lm-client.sh smoke          # size tiny, minutes
 #   bash scripts/device/megatron-lm-client.sh default        # 1,076,899,840 parameters

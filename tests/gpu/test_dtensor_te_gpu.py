@@ -1,4 +1,4 @@
-"""Megatron-FSDP's DTensor state with real Transformer Engine FusedAdam (issue #19).
+"""Megatron-FSDP's DTensor state with real Transformer Engine FusedAdam.
 
 What the CPU stand-in claims about TE 2.x, checked against TE itself on DTensors of a one-rank
 device mesh: TE's own loader copies DTensor moments (8 B x local elements), the default adopter

@@ -1,4 +1,4 @@
-"""The read hook point with real Transformer Engine and a real ``torch_dist`` read (issue #20).
+"""The read hook point with real Transformer Engine and a real ``torch_dist`` read.
 
 A precision-aware DistributedOptimizer (the installed class, tests/mcore_owners.py) over a real
 TE FusedAdam with BF16 moments and int16 master remainders builds its read targets inside
