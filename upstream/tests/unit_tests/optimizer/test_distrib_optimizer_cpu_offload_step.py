@@ -12,8 +12,6 @@ load that follows.
 
 import pytest
 import torch
-from tests.unit_tests.dist_checkpointing import TempNamedDir, initialize_gpt_model
-from tests.unit_tests.test_utilities import Utils
 
 from megatron.core.dist_checkpointing import load, save
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -21,6 +19,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import is_torch_min_version
+from tests.unit_tests.dist_checkpointing import TempNamedDir, initialize_gpt_model
+from tests.unit_tests.test_utilities import Utils
 
 STEPS = 3
 
