@@ -222,7 +222,7 @@ def test_an_instance_level_load_state_dict_runs_exactly_once_instead_of_any_adop
     (load,) = [o for o in outcomes if o.hook_point == "load"]
     loads_checked = [context for context in adam_adopter.checked if context.state_dict is not None]
     assert len(calls) == 1 and adam_adopter.adopted == [] and loads_checked == []
-    assert (load.adopter, load.method) == (None, "Adam.load_state_dict")
+    assert (load.adopter, load.method) == (None, "load_state_dict set on the Adam instance")
     assert load.fallback_reason == "the Adam instance has its own load_state_dict"
 
 

@@ -215,7 +215,10 @@ class HookPoint(abc.ABC, Generic[T]):
 
     def own_label(self) -> str:
         """Returns what upstream's call resolves to, e.g. ``"FusedAdam.load_state_dict"``."""
-        return f"{type(self.optimizer).__name__}.{self.upstream_method}"
+        name, method = type(self.optimizer).__name__, self.upstream_method
+        if method in vars(self.optimizer):
+            return f"{method} set on the {name} instance"
+        return f"{name}.{method}"
 
     def result_state(self, result: T) -> Any:
         """Returns the state an outcome measures: by default the inner optimizer's."""
