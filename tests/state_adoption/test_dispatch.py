@@ -289,6 +289,7 @@ def test_registered_or_unreadable_hooks_run_through_the_own_code(case: Case, rea
 def test_global_step_hooks_send_the_initialization_to_the_own_code(register: Callable[..., Any]) -> None:
     """PyTorch's global step hooks run around every ``step()``, the own dummy step's too: with
     one registered no adopter is asked and the own code runs (its step runs the hook once)."""
+    kind = "pre" if register is torch_optimizer.register_optimizer_step_pre_hook else "post"
     adopter, calls, outcomes = _accepting(), [], []
     owner, run = _initialize()
     registry = registry_of(adopter)
@@ -301,7 +302,7 @@ def test_global_step_hooks_send_the_initialization_to_the_own_code(register: Cal
     assert len(calls) == 1 and len(owner.optimizer.state) > 0
     (outcome,) = outcomes
     assert adopter.checked == [] and outcome.adopter is None and outcome.method == INITIALIZE.own
-    assert outcome.fallback_reason == "global optimizer step hooks are registered, which upstream runs"
+    assert outcome.fallback_reason == f"global {kind}-hooks of step are registered, which upstream runs"
 
 
 def _held_state(optimizer: Any) -> None:

@@ -31,6 +31,13 @@ class _Load(HookPoint[None]):
     # PyTorch's loader replaces the state and the groups and may add to the defaults.
     changeable = ("state", "param_groups", "defaults")
 
+    def upstream_hooks(self) -> Dict[str, object]:
+        optimizer = self.optimizer
+        return {
+            "pre": getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}),
+            "post": getattr(optimizer, "_optimizer_load_state_dict_post_hooks", {}),
+        }
+
     def decline_reason(self, adopter: StateAdopter) -> Optional[str]:
         return adopter.decline_reason(self.context)
 
@@ -70,6 +77,13 @@ class _Export(HookPoint[Dict[str, Any]]):
     """``state_dict()``: an export must be the held state itself, changing nothing."""
 
     name, verb, upstream_method = "export", "exported", "state_dict"
+
+    def upstream_hooks(self) -> Dict[str, object]:
+        optimizer = self.optimizer
+        return {
+            "pre": getattr(optimizer, "_optimizer_state_dict_pre_hooks", {}),
+            "post": getattr(optimizer, "_optimizer_state_dict_post_hooks", {}),
+        }
 
     def decline_reason(self, adopter: StateAdopter) -> Optional[str]:
         return adopter.export_decline_reason(self.context)
@@ -118,13 +132,17 @@ class _Initialize(HookPoint[None]):
         super().__init__(owner, registry)
         self.own_initialization = own_initialization
 
+    def upstream_hooks(self) -> Dict[str, object]:
+        optimizer = self.optimizer
+        return {
+            "pre": getattr(optimizer, "_optimizer_step_pre_hooks", {}),
+            "post": getattr(optimizer, "_optimizer_step_post_hooks", {}),
+            "global pre": torch_optimizer._global_optimizer_pre_hooks,
+            "global post": torch_optimizer._global_optimizer_post_hooks,
+        }
+
     def gate_reason(self) -> Optional[str]:
         optimizer = self.optimizer
-        if (
-            torch_optimizer._global_optimizer_pre_hooks
-            or torch_optimizer._global_optimizer_post_hooks
-        ):
-            return "global optimizer step hooks are registered, which upstream runs"
         if len(optimizer.state) > 0:
             return "the optimizer holds state already, which the own initialization steps"
         for param in checks.params_of(optimizer):

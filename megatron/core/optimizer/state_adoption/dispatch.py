@@ -224,13 +224,16 @@ class HookPoint(abc.ABC, Generic[T]):
         """Returns the state an outcome measures: by default the inner optimizer's."""
         return self.optimizer.state
 
+    def upstream_hooks(self) -> Dict[str, object]:
+        """Returns the hook tables upstream's call runs, by kind (``"pre"``, ``"post"``)."""
+        return {}
+
     def gate_reason(self) -> Optional[str]:
         """Returns why upstream's code runs without asking an adopter, or None."""
         method, optimizer = self.upstream_method, self.optimizer
         if method in vars(optimizer):
             return f"the {type(optimizer).__name__} instance has its own {method}"
-        for kind in ("pre", "post"):
-            hooks = getattr(optimizer, f"_optimizer_{method}_{kind}_hooks", {})
+        for kind, hooks in self.upstream_hooks().items():
             if not isinstance(hooks, Mapping) or len(hooks) > 0:
                 return f"{kind}-hooks of {method} are registered, which upstream runs"
         return None
