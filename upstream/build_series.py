@@ -9,12 +9,14 @@ stack in the order of ``PULL_REQUESTS``; (a) and (c) also apply alone (see upstr
 * (a) the CPU-offload Adam-step fix (``BUG_FIX_PATCH``) and its test;
 * (b) FP32 in-place adoption: the subsystem without what ``upstream/prs/split.toml`` names, the
   config field and argument it keeps, ``DistributedOptimizer``'s two loads, its test;
-* (c) the in-place SwiGLU merge (``in_place_merge.py``, ``transformer/utils.py``), its test;
+* (c) the in-place SwiGLU merge (``in_place_merge.py``, ``transformer/utils.py``), its test and
+  the change to the existing SwiGLU OOM test it needs (``PR_TEST_CHANGES``);
 * (d) the rest: the subsystem as it is here, the other field and argument, the other call sites
   (``optimizer.py``'s too), its tests (``*_offloader.py`` only with the chunked offloader), docs.
 
 Descriptions and commit messages: ``upstream/prs/<pull request>.md``. Our hunks (only the
-newest release's ``patches/*.patch``) are carried by content, not by line number (``locate``);
+newest release's ``patches/*.patch``, and ``upstream/<test>.diff`` for a Megatron-LM test a pull
+request changes) are carried by content, not by line number (``locate``);
 where ``DistributedOptimizer`` has the chunked offloader's special case (``dev``), the export and
 the load are routed only without an offloader. A missing or ambiguous anchor, or a name of
 split.toml that is gone, is a ``SeriesError``.
@@ -77,6 +79,7 @@ ADOPTION_TEST = "tests/unit_tests/optimizer/test_state_adoption.py"
 ROLES_TEST = "tests/unit_tests/optimizer/test_state_adoption_roles.py"
 OFFLOADER_TEST = "tests/unit_tests/optimizer/test_state_adoption_offloader.py"
 IN_PLACE_MERGE_TEST = "tests/unit_tests/dist_checkpointing/test_in_place_merge.py"
+MLP_GLU_TEST = "tests/unit_tests/dist_checkpointing/models/test_mlp_glu.py"
 BRANCHES = ("main", "dev")
 PULL_REQUESTS = A, B, C, D = (
     "a-cpu-offload-adam-step",
@@ -93,7 +96,14 @@ refused."""
 BUG_FIX_PATCH = "0006-distrib-optimizer-keep-the-loaded-adam-step-with-cpu-offload.patch"
 """Our fix of an upstream bug (NVIDIA/Megatron-LM#1842): pull request (a), alone."""
 TOUCHED_UPSTREAM_FILES = (*PATCHED_FILES, ARGUMENTS_FILE, DOCS_INDEX)
-"""The snapshot files the pull requests change (the base commit holds exactly these)."""
+"""The snapshot files of Megatron-LM's code and docs the pull requests change (what
+``lint_series.py`` gets from the upstream wheel and our patches, or knows to be out of its scope)."""
+PR_TEST_CHANGES = {C: [MLP_GLU_TEST]}
+"""The existing Megatron-LM unit tests each pull request changes: ``upstream/<path>.diff`` is the
+change, a unified diff against the snapshot's file, whose hunks are carried by content."""
+CHANGED_TESTS = tuple(path for paths in PR_TEST_CHANGES.values() for path in paths)
+SNAPSHOT_FILES = (*TOUCHED_UPSTREAM_FILES, *CHANGED_TESTS)
+"""Every snapshot file the pull requests change (the base commit holds exactly these)."""
 CHECKED_UPSTREAM_FILES = (TRAINING_FILE,)
 """Snapshot files the generator reads to check an assumption, but does not change."""
 COVER_LETTER = "0000-cover-letter.patch"
@@ -1011,14 +1021,18 @@ request; ``OFFLOADER_TEST`` only where the snapshot has the chunked offloader.""
 def test_files(offloader: bool, paths: Optional[Sequence[str]] = None) -> Dict[str, str]:
     """Upstream path -> content of the unit tests ``paths`` (default: every pull request's).
 
-    Raises :class:`SeriesError` for a test file here that no pull request carries and for one a
-    pull request needs that does not exist (yet).
+    Raises :class:`SeriesError` for a test file (or ``.diff`` of a Megatron-LM test) here that no
+    pull request carries and for one a pull request needs that does not exist (yet).
     """
     root = UPSTREAM_DIR / "tests" / "unit_tests"
     known = {path for tests in PR_TESTS.values() for path in tests}
     here = {f"tests/unit_tests/{p.relative_to(root).as_posix()}" for p in root.rglob("*.py")}
     if here - known:
         raise SeriesError(f"no pull request carries {sorted(here - known)}; add them to PR_TESTS")
+    changes = {p.relative_to(UPSTREAM_DIR).as_posix() for p in root.rglob("*.diff")}
+    unknown = changes - {f"{path}.diff" for path in CHANGED_TESTS}
+    if unknown:
+        raise SeriesError(f"no pull request carries {sorted(unknown)}; add to PR_TEST_CHANGES")
     files = {}
     for path in known if paths is None else paths:
         if path == OFFLOADER_TEST and not offloader:
@@ -1030,6 +1044,34 @@ def test_files(offloader: bool, paths: Optional[Sequence[str]] = None) -> Dict[s
             )
         files[path] = source.read_text()
     return dict(sorted(files.items()))
+
+
+def changed_test_hunks(path: str) -> List[Hunk]:
+    """The hunks of ``upstream/<path>.diff``, our change to the Megatron-LM test ``path``.
+
+    Raises :class:`SeriesError` where the diff is missing, changes another file or has no hunk.
+    """
+    source = UPSTREAM_DIR / f"{path}.diff"
+    if not source.exists():
+        raise SeriesError(f"{source.relative_to(REPO_ROOT)} does not exist: it changes {path}")
+    text = source.read_text()
+    changed = {
+        line[4:].strip().removeprefix("b/") for line in text.splitlines() if line.startswith("+++ ")
+    }
+    hunks = parse_hunks(text, path)
+    if changed != {path} or not hunks:
+        raise SeriesError(f"{source.name} must change {path} only, with at least one hunk")
+    return hunks
+
+
+def changed_tests(files: Dict[str, str], name: str) -> Dict[str, str]:
+    """Upstream path -> the snapshot's test (in ``files``) with our change, for every Megatron-LM
+    test pull request ``name`` changes (``PR_TEST_CHANGES``). Raises :class:`SeriesError` for a
+    hunk whose removed lines and context are missing or ambiguous in the snapshot's file."""
+    return {
+        path: change_file(files[path], changed_test_hunks(path), path, False)
+        for path in PR_TEST_CHANGES.get(name, [])
+    }
 
 
 def docs_files() -> Dict[str, str]:
@@ -1152,7 +1194,13 @@ def pull_requests(snapshot: "Snapshot") -> List[PullRequest]:
             {**changed(CALL_SITE, fixed, staged_call_site_hunks(our_hunks(CALL_SITE), b_names))}
             | tests(B),
         ],
-        C: [{**in_place_merge_files(), **changed(UTILS_FILE, files[UTILS_FILE])}],
+        C: [
+            {
+                **in_place_merge_files(),
+                **changed(UTILS_FILE, files[UTILS_FILE]),
+                **changed_tests(files, C),
+            }
+        ],
         D: [
             {**subsystem_files(), **config(config_hunks)},
             {
@@ -1257,7 +1305,7 @@ class Snapshot:
         """Read the files of ``commit`` (any revision; default: the tip of ``branch``)."""
         revision = commit or f"refs/heads/{branch}"
         commit = _git(git_dir, "rev-parse", f"{revision}^{{commit}}").strip()
-        files = {p: _git(git_dir, "show", f"{commit}:{p}") for p in TOUCHED_UPSTREAM_FILES}
+        files = {p: _git(git_dir, "show", f"{commit}:{p}") for p in SNAPSHOT_FILES}
         checked = {p: _git(git_dir, "show", f"{commit}:{p}") for p in CHECKED_UPSTREAM_FILES}
         return cls(branch, commit, files, checked)
 

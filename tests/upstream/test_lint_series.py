@@ -155,9 +155,13 @@ def test_changed_files_are_the_series_changed_files() -> None:
     assert patched == sorted(build_series.PATCHED_FILES)
     touched = set(build_series.TOUCHED_UPSTREAM_FILES)
     assert set(patched) <= touched
-    assert touched == set(build_series.manifest()["main"]["pre_image_blobs"])
+    tests = set(build_series.CHANGED_TESTS)
+    assert touched | tests == set(build_series.manifest()["main"]["pre_image_blobs"])
     # what the wheel and our patches do not give, no Megatron-LM lint tool reads
     assert not any(lint_series.in_lint_scope(p) for p in touched - set(patched))
+    # the wheel has no tests: a changed Megatron-LM test is linted from a Megatron-LM git
+    # directory (--changed-from series; test_series_lints_the_changed_megatron_lm_tests)
+    assert not tests & touched and all(lint_series.in_lint_scope(p) for p in tests)
     assert all(lint_series.in_lint_scope(p) for p in patched)
 
 
@@ -351,3 +355,15 @@ def test_wheel_and_series_give_the_same_changed_file_findings() -> None:
         return {(f.path, f.tool, f.code, f.message) for f in report.new}
 
     assert found(wheel) == found(series)
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", build_series.BRANCHES)
+def test_series_lints_the_changed_megatron_lm_tests(branch: str) -> None:
+    """The Megatron-LM tests a pull request changes are linted as changed files, and introduce
+    no finding (black, isort, ruff; pylint leaves ``tests/`` alone)."""
+    inputs = lint_series.changed_inputs_from_series(MIRROR, branch)
+    for path in build_series.CHANGED_TESTS:
+        assert inputs[path].before is not None and inputs[path].after != inputs[path].before
+    report = lint({path: inputs[path] for path in build_series.CHANGED_TESTS})
+    assert [lint_series.describe(report, f) for f in report.new] == []

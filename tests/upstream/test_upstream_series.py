@@ -46,6 +46,7 @@ from build_series import (  # noqa: E402
     COVER_LETTER,
     IN_PLACE_MERGE,
     IN_PLACE_MERGE_TEST,
+    MLP_GLU_TEST,
     NON_DISTRIBUTED_FILE,
     PULL_REQUESTS,
     SUBSYSTEM,
@@ -130,7 +131,7 @@ def test_manifest_records_main_and_dev() -> None:
             "ok: a, b, c, d apply in turn and a and c alone to a full work tree of "
             f"{entry['snapshot_commit']}"
         )
-        assert sorted(entry["pre_image_blobs"]) == sorted(build_series.TOUCHED_UPSTREAM_FILES)
+        assert sorted(entry["pre_image_blobs"]) == sorted(build_series.SNAPSHOT_FILES)
         assert sorted(entry["checked_blobs"]) == sorted(build_series.CHECKED_UPSTREAM_FILES)
         assert list(entry["pull_requests"]) == list(PULL_REQUESTS)
     assert MANIFEST["main"]["offloader_special_case"] is False
@@ -181,7 +182,13 @@ DESCRIPTION_FACTS = {
         "--no-optimizer-state-adoption",
         "owns_state_dict=True",
     ],
-    C: ["0.82 bytes per parameter", IN_PLACE_MERGE.replace("/", ".").removesuffix(".py")],
+    C: [
+        "0.82 bytes per parameter",
+        IN_PLACE_MERGE.replace("/", ".").removesuffix(".py"),
+        f"test_oom_is_handled in {MLP_GLU_TEST}",
+        "test_halves_loaded_in_place_merge_without_a_copy",
+        "torch.cuda.max_memory_allocated()",
+    ],
     D: [
         "29 -> 6.0",
         "16.2 -> 8.1",
@@ -397,6 +404,47 @@ def test_a_missing_test_file_is_refused(tmp_path: Path, monkeypatch: pytest.Monk
         build_series.test_files(False, build_series.PR_TESTS[D])
     (copy / "tests/unit_tests/optimizer/test_other.py").write_text("")
     with pytest.raises(SeriesError, match="no pull request carries"):
+        build_series.test_files(False)
+
+
+def test_the_changed_megatron_lm_test_is_c_s_own_diff() -> None:
+    """(c) changes test_mlp_glu.py's test_oom_is_handled (its halves become two allocations)
+    and adds the in-place test; nothing else in that file."""
+    assert build_series.PR_TEST_CHANGES == {C: [MLP_GLU_TEST]}
+    assert build_series.CHANGED_TESTS == (MLP_GLU_TEST,)
+    assert not set(build_series.CHANGED_TESTS) & set(build_series.TOUCHED_UPSTREAM_FILES)
+    hunks = build_series.changed_test_hunks(MLP_GLU_TEST)
+    removed = [line.strip() for hunk in hunks for line in hunk.removed]
+    added = "\n".join(line for hunk in hunks for line in hunk.added)
+    assert "loaded_state_dict = [sh_ten.data for sh_ten in sharded_state_dict]" in removed
+    assert "torch.ones(local_w_plus_v_shape, device='cuda', dtype=dtype)," in removed
+    assert "torch.empty(local_w_plus_v_shape, device='meta', dtype=dtype)," in added
+    assert "    def test_halves_loaded_in_place_merge_without_a_copy(self, caplog):" in added
+    assert "assert torch.cuda.max_memory_allocated() == allocated" in added
+    assert "assert merged.data_ptr() == weight.data_ptr()" in added
+    assert "def test_oom_is_handled" not in added  # the test is changed, not replaced
+    (method,) = ast.parse(textwrap.dedent(build_series._block(hunks[-1].added))).body
+    assert isinstance(method, ast.FunctionDef)  # the last hunk adds the in-place test
+    assert method.name == "test_halves_loaded_in_place_merge_without_a_copy"
+
+
+def test_a_missing_or_stray_test_change_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = tmp_path / "upstream"
+    shutil.copytree(REPO_ROOT / "upstream" / "tests", copy / "tests")
+    monkeypatch.setattr(build_series, "UPSTREAM_DIR", copy)
+    monkeypatch.setattr(build_series, "REPO_ROOT", tmp_path)
+    diff = copy / f"{MLP_GLU_TEST}.diff"
+    text = diff.read_text()
+    diff.write_text(text.replace(f"b/{MLP_GLU_TEST}", "b/tests/unit_tests/other.py"))
+    with pytest.raises(SeriesError, match="must change .*test_mlp_glu.py only"):
+        build_series.changed_test_hunks(MLP_GLU_TEST)
+    diff.unlink()
+    with pytest.raises(SeriesError, match="test_mlp_glu.py.diff does not exist"):
+        build_series.changed_test_hunks(MLP_GLU_TEST)
+    (copy / "tests/unit_tests/dist_checkpointing/test_other.py.diff").write_text(text)
+    with pytest.raises(SeriesError, match="no pull request carries .*test_other.py.diff"):
         build_series.test_files(False)
 
 
@@ -1130,16 +1178,98 @@ def test_c_adds_the_merge_and_changes_cat_with_oom_fallback(
 ) -> None:
     series = built[branch]
     diffs = series.changed(C)
-    assert sorted(diffs) == sorted([IN_PLACE_MERGE, IN_PLACE_MERGE_TEST, UTILS_FILE])
+    assert sorted(diffs) == sorted([IN_PLACE_MERGE, IN_PLACE_MERGE_TEST, UTILS_FILE, MLP_GLU_TEST])
     assert (
         diffs[IN_PLACE_MERGE].new_content() == build_series.in_place_merge_files()[IN_PLACE_MERGE]
     )
     utils = diffs[UTILS_FILE]
     assert build_series.blob_id(series.snapshot.files[UTILS_FILE]).startswith(utils.pre_blob)
     assert _changes(utils.hunks) == _changes(build_series.our_hunks(UTILS_FILE))
+    glu = diffs[MLP_GLU_TEST]
+    assert not glu.new_file
+    assert build_series.blob_id(series.snapshot.files[MLP_GLU_TEST]).startswith(glu.pre_blob)
+    assert _changes(glu.hunks) == _changes(build_series.changed_test_hunks(MLP_GLU_TEST))
     for pr in (A, B, D):
         assert not set(series.changed(pr)) & set(diffs), pr
         assert "megatron/core/transformer/mlp.py" not in series.changed(pr)
+
+
+def _methods(source: str, cls: str) -> Dict[str, str]:
+    """The methods of class ``cls`` in ``source``, as ``ast.dump`` strings, by name."""
+    (node,) = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls]
+    return {m.name: ast.dump(m) for m in node.body if isinstance(m, ast.FunctionDef)}
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+@pytest.mark.parametrize("stack", ["after a and b", "alone"])
+def test_c_changes_the_swiglu_oom_test_and_applies(
+    built: Dict[str, Built], branch: str, stack: str, tmp_path: Path
+) -> None:
+    """``git apply --check`` passes for every patch in turn ((a), (b), then (c); and (c) alone),
+    and (c) leaves test_mlp_glu.py with the changed OOM test and the in-place one, compiling,
+    the rest of the file as it was."""
+    series = built[branch]
+    build_series.work_tree(MIRROR, series.snapshot.commit, tmp_path)
+    for pr in [A, B, C] if stack == "after a and b" else [C]:
+        for patch in series.by_pr[pr]:
+            subprocess.run(["git", "apply", "--check", str(patch)], cwd=tmp_path, check=True)
+            subprocess.run(["git", "apply", str(patch)], cwd=tmp_path, check=True)
+    before = series.snapshot.files[MLP_GLU_TEST]
+    after = (tmp_path / MLP_GLU_TEST).read_text()
+    hunks = build_series.changed_test_hunks(MLP_GLU_TEST)
+    assert after == build_series.change_file(before, hunks, MLP_GLU_TEST, False)
+    compile(after, MLP_GLU_TEST, "exec")
+    assert _black_clean(after)
+    old, new = (_methods(text, "TestParallelMLPWithGLU") for text in (before, after))
+    assert list(new) == [*old, "test_halves_loaded_in_place_merge_without_a_copy"]
+    changed = [name for name in old if old[name] != new[name]]
+    assert changed == ["test_oom_is_handled"]
+    outside = [ast.dump(n) for n in ast.parse(after).body if not isinstance(n, ast.ClassDef)]
+    assert outside == [
+        ast.dump(n) for n in ast.parse(before).body if not isinstance(n, ast.ClassDef)
+    ]
+    oom = ast.get_source_segment(after, next(
+        n for n in ast.walk(ast.parse(after))
+        if isinstance(n, ast.FunctionDef) and n.name == "test_oom_is_handled"
+    ))  # fmt: skip
+    assert oom is not None
+    assert "device='meta'" in oom and "torch.ones(sh_ten.data.shape, device='cuda'" in oom
+    assert "sh_ten.data for sh_ten in sharded_state_dict]" not in oom
+    assert "CUDA OutOfMemoryError encountered during tensors merging" in oom
+
+
+def test_a_test_change_whose_anchor_is_gone_is_refused() -> None:
+    """A hunk of the changed test is carried by its removed lines and context; a file without
+    them (here: the ``loaded_state_dict`` line changed) is refused, not patched."""
+    hunks = build_series.changed_test_hunks(MLP_GLU_TEST)
+    diff = (build_series.UPSTREAM_DIR / f"{MLP_GLU_TEST}.diff").read_text()
+    sections = re.split(r"^@@ .*\n", diff, flags=re.MULTILINE)[1:]
+    pre_image = [  # the lines of the file each section of the diff shows: context and removed
+        line[1:] for section in sections for line in section.splitlines() if line[:1] in " -"
+    ]
+    for hunk in hunks:
+        build_series.locate(pre_image, hunk, MLP_GLU_TEST)
+    gone = [line.replace("in sharded_state_dict]", "in built]") for line in pre_image]
+    with pytest.raises(SeriesError, match="test_mlp_glu.py: replace hunk .* found 0 times"):
+        for hunk in hunks:
+            build_series.locate(gone, hunk, MLP_GLU_TEST)
+
+
+@needs_mirror
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_the_test_change_refuses_a_snapshot_whose_test_changed(
+    built: Dict[str, Built], branch: str
+) -> None:
+    before = built[branch].snapshot.files[MLP_GLU_TEST]
+    hunks = build_series.changed_test_hunks(MLP_GLU_TEST)
+    for old, new in [
+        ("in sharded_state_dict]", "in built]"),  # the loaded halves are built otherwise
+        ("device='cuda', dtype=dtype),", "device='cpu', dtype=dtype),"),  # the weight too
+    ]:
+        assert before.count(old) == 1
+        with pytest.raises(SeriesError, match="found 0 times"):
+            build_series.change_file(before.replace(old, new), hunks, MLP_GLU_TEST, False)
 
 
 @needs_mirror
@@ -1226,4 +1356,4 @@ def test_changed_python_files_stay_black_clean(
         if path.endswith(".py") and _black_clean(before):
             assert _black_clean((tree / path).read_text()), path
             checked.append(path)
-    assert len(checked) == 4
+    assert len(checked) == 5
