@@ -97,7 +97,7 @@ class _Export(HookPoint[Dict[str, Any]]):
     def own(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()
 
-    def result_state(self, result: Dict[str, Any]) -> Any:
+    def result_state(self, result: Dict[str, Any]) -> object:
         return result.get("state") if isinstance(result, Mapping) else None
 
 

@@ -24,7 +24,7 @@ def params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
-def tensors_of(state: Any) -> List[torch.Tensor]:
+def tensors_of(state: object) -> List[torch.Tensor]:
     """The tensors of a list of tensors or of a ``{key: {name: value}}`` state mapping."""
     if isinstance(state, Mapping):
         entries = [e for e in state.values() if isinstance(e, Mapping)]
@@ -361,12 +361,19 @@ def initialized_state_problem(
 
 
 def read_target_problem(
-    optimizer: Any, param: torch.Tensor, name: str, target: Any, extents: Extents, label: str
+    optimizer: torch.optim.Optimizer,
+    param: torch.Tensor,
+    name: str,
+    target: object,
+    extents: Extents,
+    label: str,
 ) -> Optional[str]:
     """Check one read target and add it to ``extents``: the held tensor of ``name`` itself where
     reading into it is a plain cast (BF16, FP32, int16 remainders), or new memory of the held
     shape and device in ``get_unscaled_state``'s dtype (int16 for remainders, else FP32); it
     overlaps nothing else (``label``: ``"<name> of parameter <index>"``)."""
+    if not isinstance(target, torch.Tensor):
+        return f"the target is a {type(target).__name__}, not a tensor"
     entry = optimizer.state.get(param)
     held = entry.get(name) if isinstance(entry, Mapping) else None
     if not isinstance(held, torch.Tensor):

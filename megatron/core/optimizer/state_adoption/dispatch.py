@@ -220,7 +220,7 @@ class HookPoint(abc.ABC, Generic[T]):
             return f"{method} set on the {name} instance"
         return f"{name}.{method}"
 
-    def result_state(self, result: T) -> Any:
+    def result_state(self, result: T) -> object:
         """Returns the state an outcome measures: by default the inner optimizer's."""
         return self.optimizer.state
 
@@ -343,7 +343,7 @@ class OutcomeRecord:
         adopter: Optional[StateAdopter],
         method: Optional[str],
         reason: Optional[str],
-        state: Any = None,
+        state: object = None,
         error: Optional[BaseException] = None,
     ) -> None:
         """Measures ``state`` (unless the call raised ``error``), logs and reports the outcome."""
@@ -362,7 +362,7 @@ class OutcomeRecord:
         log(self.point, adopter, reason, outcome)
         self.point.registry.report(outcome)
 
-    def measure(self, state: Any) -> Tuple[int, int]:
+    def measure(self, state: object) -> Tuple[int, int]:
         """Returns the bytes of ``state`` in storage that existed before the call, and in new
         storage; each storage counted once, by the bytes its tensors span."""
         alive = set()

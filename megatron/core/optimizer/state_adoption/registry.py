@@ -183,7 +183,7 @@ class StateAdopterRegistry:
             self.fall_back(f"the plugin {origin} failed", failure, "it is skipped")
 
 
-def _add(entries: "OrderedDict[int, Any]", entry: Any, prepend: bool) -> RemovableHandle:
+def _add(entries: "OrderedDict[int, Any]", entry: object, prepend: bool) -> RemovableHandle:
     handle = RemovableHandle(entries)
     entries[handle.id] = entry
     if prepend:
