@@ -1130,3 +1130,17 @@ def test_outcomes_exist_only_while_an_outcome_hook_is_registered(caplog: pytest.
         (logging.INFO, f"Optimizer state adopter 'accepting' installed the state of {STANDIN}: 1,856 B by reference, 0 B newly allocated"),
         (logging.WARNING, f"Optimizer state load of {STANDIN} raised: ValueError: upstream's own error"),
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["false", 0, None], ids=["a string", "an int", "None"])
+def test_a_switch_that_is_no_bool_is_a_clear_error_before_anything_runs(value: Any) -> None:
+    """``OptimizerConfig.optimizer_state_adoption="false"`` would read as on: it is refused,
+    naming the value, before the inner optimizer or any adopter is touched."""
+    from megatron.core.optimizer.state_adoption import load_inner_optimizer_state_dict
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    before = optimizer.state_dict()
+    owner = types.SimpleNamespace(optimizer=optimizer, config=types.SimpleNamespace(optimizer_state_adoption=value))
+    with pytest.raises(TypeError, match=f"OptimizerConfig.optimizer_state_adoption is {value!r}, not a bool"):
+        load_inner_optimizer_state_dict(owner, before)  # type: ignore[arg-type]
+    assert optimizer.state_dict() == before

@@ -442,3 +442,19 @@ def test_a_scaffold_of_uninitialized_memory_is_installed_even_where_its_bits_rea
         a is b
         for a, b in zip(_held(adopted), [t for e in scaffold["state"].values() for t in e.values()])
     )
+
+
+def test_an_opt_in_that_is_no_bool_declines_by_name() -> None:
+    """``precision_aware_optimizer_state_adoption="false"`` (a mistyped switch) is no opt-in."""
+    adopter = TEFusedAdamPrecisionAwareStateAdopter(
+        FusedAdamStandIn, "cpu", "2.20.2", name="bf16", requires_config_opt_in=True
+    )
+    optimizer = _optimizer(next(iter(MODES)))
+    context = AdoptionContext(
+        optimizer=optimizer,
+        config=types.SimpleNamespace(precision_aware_optimizer_state_adoption="false"),  # type: ignore[arg-type]
+        state_dict=_scaffold(optimizer),
+        owns_state_dict=True,
+    )
+    reason = "OptimizerConfig.precision_aware_optimizer_state_adoption is 'false', not True or False"
+    assert adopter.decline_reason(context) == reason

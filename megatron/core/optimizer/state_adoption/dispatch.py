@@ -47,8 +47,15 @@ _DEPTH = 4
 
 
 def adoption_enabled(config: Optional["OptimizerConfig"]) -> bool:
-    """Whether ``config.optimizer_state_adoption`` is set (a config without it: yes)."""
-    return bool(getattr(config, "optimizer_state_adoption", True))
+    """Whether ``config.optimizer_state_adoption`` is set (a config without it: yes).
+
+    Raises:
+        TypeError: the field holds something other than a bool (e.g. the string ``"false"``).
+    """
+    enabled = getattr(config, "optimizer_state_adoption", True)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"OptimizerConfig.optimizer_state_adoption is {enabled!r}, not a bool")
+    return enabled
 
 
 def _version(tensor: torch.Tensor) -> Optional[int]:

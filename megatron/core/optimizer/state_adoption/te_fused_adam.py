@@ -260,9 +260,12 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
 
     def _opt_in_problem(self, context: AdoptionContext) -> Optional[str]:
         field = "precision_aware_optimizer_state_adoption"
-        if self._requires_config_opt_in and not getattr(context.config, field, False):
+        opted_in = getattr(context.config, field, False)
+        if not self._requires_config_opt_in or opted_in is True:
+            return None
+        if opted_in is False:
             return f"OptimizerConfig.{field} is not set"
-        return None
+        return f"OptimizerConfig.{field} is {opted_in!r}, not True or False"
 
     def _param_problem(self, param: torch.Tensor) -> Optional[str]:
         """Plain floating-point parameters on the device type."""
