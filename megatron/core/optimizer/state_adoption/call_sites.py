@@ -236,7 +236,9 @@ class _Read(HookPoint[torch.Tensor]):
         if not self.consulted:
             self.consulted, self.reason = True, self.gate_reason()
             if self.reason is None:
-                self.adopter, self.reason = consult(self, Snapshot(self.optimizer, None))
+                adopters = self.registry.adopters()
+                snapshot = Snapshot(self.optimizer, None)
+                self.adopter, self.reason = consult(self, adopters, snapshot)
             self.extents = checks.held_extents(self.optimizer)
             self.index = {id(p): i for i, p in enumerate(checks.params_of(self.optimizer))}
         if self.adopter is not None:

@@ -246,13 +246,14 @@ class HookPoint(abc.ABC, Generic[T]):
         return None
 
 
-def consult(point: HookPoint[Any], snapshot: Snapshot) -> Tuple[Optional[StateAdopter], str]:
-    """Returns the first adopter whose check accepts, or None and why none does.
+def consult(
+    point: HookPoint[Any], adopters: Tuple[StateAdopter, ...], snapshot: Snapshot
+) -> Tuple[Optional[StateAdopter], str]:
+    """Returns the first of ``adopters`` whose check accepts, or None and why none does.
 
     A check that raises or returns no string declines. One that changes the optimizer or the
     state dict is undone and declines; one that writes into a tensor raises ``RuntimeError``.
     """
-    adopters = point.registry.adopters()
     for adopter in adopters:
         failure: Optional[BaseException] = None
         broken = True  # the check broke its contract: a fallback, not a plain decline
@@ -310,11 +311,12 @@ def run(point: HookPoint[T]) -> T:
     method: Optional[str] = None
     result: Any = None
     try:
-        if reason is None and not point.registry.adopters():
+        adopters = point.registry.adopters() if reason is None else ()
+        if reason is None and not adopters:
             reason = "no adopter is registered"
         if reason is None:
             snapshot = Snapshot(point.optimizer, point.context.state_dict)
-            accepting, reason = consult(point, snapshot)
+            accepting, reason = consult(point, adopters, snapshot)
             if accepting is not None:
                 done, result = attempt(point, accepting, snapshot)
                 adopter = accepting if done else None
