@@ -18,8 +18,10 @@ over the baseline; ``consistency`` holds its differences to ``max_memory_allocat
 Result: ``{"unit": "bytes", "source", "device", "baseline_bytes", "duration_s", "points":
 [[t_s, bytes_over_baseline], ...], "phases": [{"label", "start_s", "end_s"}],
 "peak_bytes_over_baseline", "peak_t_s", "end_bytes_over_baseline", "dropped_events",
-"phase_clock", "consistency", "points_before_downsampling", "max_points"}``; the points are a
-step function of at most ``max_points`` (:func:`downsample`).
+"phase_clock", "consistency", "points_before_downsampling", "max_points", "rounding"}``; the
+points are a step function of at most ``max_points`` (:func:`downsample`). ``rounding``
+(:func:`allocator_rounding`) is what the allocator's own records say of the blocks the load
+allocated and still holds at its end: requested bytes against block bytes, by phase and by size.
 """
 
 from __future__ import annotations
@@ -64,6 +66,20 @@ class Phase(TypedDict):
     end_s: float
 
 
+class Rounding(TypedDict):
+    """The blocks a load allocated and still holds at its end, from the snapshot's segments."""
+
+    blocks: int
+    requested_bytes: int
+    block_bytes: int
+    #: Block bytes over requested bytes: the allocator's rounding, counted as allocated.
+    rounding_bytes: int
+    #: Per phase label: ``[blocks, requested_bytes, block_bytes]``.
+    phases: dict[str, list[int]]
+    #: The largest roundings: ``[requested_bytes, block_bytes, count, phase]``, at most 12.
+    largest: list[list[Any]]
+
+
 class Timeline(TypedDict):
     """The recorded timeline of one load (see the module docstring)."""
 
@@ -82,6 +98,7 @@ class Timeline(TypedDict):
     consistency: dict[str, int]
     points_before_downsampling: int
     max_points: int
+    rounding: Rounding
 
 
 def block_bytes(requested: int) -> int:
@@ -122,6 +139,54 @@ def allocation_levels(trace: Iterable[Mapping[str, Any]]) -> list[tuple[int, int
         level += sign * size
         levels.append((int(entry["time_us"]), level))
     return levels
+
+
+def allocator_rounding(
+    snapshot: Mapping[str, Any], device: int, phases: Sequence[tuple[str, int]]
+) -> Rounding:
+    """What the blocks allocated in the trace and active in the snapshot's segments hold.
+
+    Args:
+        snapshot: ``torch.cuda.memory._snapshot()`` at the end of the load (``segments``' blocks
+            carry ``size`` and ``requested_size``).
+        device: the CUDA device index.
+        phases: ``(label, start time_us)`` in time order; a block belongs to the last phase that
+            began at or before its allocation.
+    """
+    allocated_at: dict[int, int] = {}
+    for entry in snapshot["device_traces"][device]:
+        if entry["action"] == "alloc":
+            allocated_at[int(entry["addr"])] = int(entry["time_us"])
+    sizes: dict[tuple[int, int, str], int] = {}
+    by_phase: dict[str, list[int]] = {}
+    for segment in snapshot.get("segments") or []:
+        if segment.get("device", device) != device:
+            continue
+        address = int(segment["address"])
+        for block in segment["blocks"]:
+            start, address = address, address + int(block["size"])
+            if block["state"] != "active_allocated" or start not in allocated_at:
+                continue
+            label = next(
+                (name for name, t in reversed(phases) if t <= allocated_at[start]), "before"
+            )
+            key = (int(block.get("requested_size", block["size"])), int(block["size"]), label)
+            sizes[key] = sizes.get(key, 0) + 1
+            totals = by_phase.setdefault(label, [0, 0, 0])
+            totals[0] += 1
+            totals[1] += key[0]
+            totals[2] += key[1]
+    requested = sum(r * n for (r, _, _), n in sizes.items())
+    held = sum(b * n for (_, b, _), n in sizes.items())
+    largest = sorted(sizes.items(), key=lambda item: (item[0][0] - item[0][1]) * item[1])[:12]
+    return {
+        "blocks": sum(sizes.values()),
+        "requested_bytes": requested,
+        "block_bytes": held,
+        "rounding_bytes": held - requested,
+        "phases": by_phase,
+        "largest": [[r, b, n, label] for (r, b, label), n in largest if b > r],
+    }
 
 
 def annotation_times(snapshot: Mapping[str, Any], device: int) -> dict[str, list[int]]:
@@ -221,6 +286,7 @@ def timeline_from_snapshot(
         "consistency": consistency,
         "points_before_downsampling": len(points),
         "max_points": max_points,
+        "rounding": allocator_rounding(snapshot, device, times),
     }
 
 

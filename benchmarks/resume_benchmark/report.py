@@ -155,6 +155,10 @@ def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / _MIB:,.1f}"
 
 
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def _yes_no(differences: Sequence[str] | None) -> str:
     return (
         "n/a" if differences is None else f"**no** ({len(differences)})" if differences else "yes"
@@ -170,9 +174,9 @@ def summary_table(document: Mapping[str, Any]) -> list[str]:
         "| configuration | side | optimizer elements on the rank | pre-load MiB | load peak over "
         "pre-load MiB | B/param | avoided vs upstream MiB | avoided ÷ (8 B × elements) | max "
         f"allocated after iteration {plan['resume_at'] + 1} (Megatron) MiB | uninterrupted "
-        f"training peak MiB | losses {after} equal | checkpoints after {plan['train_iters']} "
-        "identical | state installed by |",
-        "|" + "---|" * 13,
+        f"training peak MiB | checkpoint load s | losses {after} equal | checkpoints after "
+        f"{plan['train_iters']} identical | state installed by |",
+        "|" + "---|" * 14,
     ]
     for run in runs:
         numbers = run_numbers(run)
@@ -202,6 +206,7 @@ def summary_table(document: Mapping[str, Any]) -> list[str]:
                 ratio,
                 f"{numbers.reports[side]:,.1f}" if numbers.reports[side] is not None else "n/a",
                 _mib(numbers.training_peak),
+                _seconds((record.get("load") or {}).get("seconds")),
                 _yes_no((run.get("loss_differences") or {}).get(side)),
                 _yes_no(run.get("checkpoint_differences")) if build else "—",
                 record.get("installed_by") or ("n/a" if not record else OWN_LOADER),
@@ -250,6 +255,7 @@ def run_markdown(run: Mapping[str, Any]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += _phase_table(records, params)
+    lines += _rounding_lines(records)
     if training_peak:
         lines.append(f"\nUninterrupted run's training peak: {training_peak / _MIB:,.1f} MiB.")
     for side in RESUME_SIDES:
@@ -301,6 +307,27 @@ def _phase_table(records: Mapping[str, Any], params: int | None) -> list[str]:
         ]
         lines.append(f"| {side} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _rounding_lines(records: Mapping[str, Any]) -> list[str]:
+    """Per side, the allocator's rounding of the blocks the load still holds at its end."""
+    lines = []
+    for side in RESUME_SIDES:
+        load = (records.get(f"resume-{side}") or {}).get("load") or {}
+        rounding = (load.get("memory_timeline") or {}).get("rounding")
+        if not isinstance(rounding, dict):
+            continue
+        largest = ", ".join(
+            f"{count} x {requested / _MIB:,.2f} MiB in {block / _MIB:,.2f} MiB ({phase})"
+            for requested, block, count, phase in rounding["largest"][:4]
+        )
+        lines.append(
+            f"{side}: the load's {rounding['blocks']:,} blocks held at its end: "
+            f"{rounding['block_bytes'] / _MIB:,.1f} MiB allocated for "
+            f"{rounding['requested_bytes'] / _MIB:,.1f} MiB requested (allocator rounding "
+            f"{rounding['rounding_bytes'] / _MIB:,.2f} MiB" + (f"; largest: {largest})." if largest else ").")
+        )
+    return ["", *lines] if lines else []
 
 
 def markdown_report(document: Mapping[str, Any]) -> str:

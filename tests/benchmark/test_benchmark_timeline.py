@@ -24,6 +24,7 @@ from benchmarks.resume_benchmark.memory_timeline import (
     LOAD_PHASES,
     RECORDING,
     allocation_levels,
+    allocator_rounding,
     block_bytes,
     downsample,
     timeline_from_snapshot,
@@ -122,6 +123,41 @@ def test_levels_count_blocks_and_whole_new_segments() -> None:
     levels = [level for _, level in allocation_levels(trace.entries)]
     assert levels == [1024, 1024 + 16 * MIB, 1024 + 20 * MIB, 1024 + 4 * MIB, 1024 + 4 * MIB - 1024]
     assert a and c
+
+
+def test_rounding_is_read_from_the_segments_blocks() -> None:
+    trace = Trace()
+    before = 0x1000  # held, allocated before the recording: not in the trace
+    scaffold = trace.annotate(LOAD_PHASES[0])
+    whole = trace.alloc(33 * MIB + MIB // 4, new_segment=34 * MIB)  # a 33.25 MiB moment
+    split = trace.alloc(4 * MIB, new_segment=20 * MIB)
+    freed = trace.alloc(8 * MIB)
+    trace.free(freed, 8 * MIB)
+    read = trace.annotate(LOAD_PHASES[1])
+    tiny = trace.alloc(100)
+    snapshot = trace.snapshot()
+    snapshot["segments"] = [
+        {"device": 0, "address": before, "blocks": [
+            {"size": MIB, "requested_size": MIB, "state": "active_allocated"}]},
+        {"device": 0, "address": whole, "blocks": [
+            {"size": 34 * MIB, "requested_size": 33 * MIB + MIB // 4, "state": "active_allocated"}]},
+        {"device": 0, "address": split, "blocks": [
+            {"size": 4 * MIB, "requested_size": 4 * MIB, "state": "active_allocated"},
+            {"size": 16 * MIB, "requested_size": 0, "state": "inactive"}]},
+        {"device": 0, "address": tiny, "blocks": [
+            {"size": 512, "requested_size": 100, "state": "active_allocated"}]},
+        {"device": 1, "address": 0, "blocks": [
+            {"size": 2 * MIB, "requested_size": 1, "state": "active_allocated"}]},
+    ]  # fmt: skip
+    rounding = allocator_rounding(snapshot, 0, [(LOAD_PHASES[0], scaffold), (LOAD_PHASES[1], read)])
+    assert rounding["blocks"] == 3, "a block allocated before the load is not the load's"
+    assert rounding["rounding_bytes"] == 3 * MIB // 4 + 412
+    assert rounding["phases"] == {
+        LOAD_PHASES[0]: [2, 37 * MIB + MIB // 4, 38 * MIB],
+        LOAD_PHASES[1]: [1, 100, 512],
+    }
+    assert rounding["largest"][0] == [33 * MIB + MIB // 4, 34 * MIB, 1, LOAD_PHASES[0]]
+    assert len(rounding["largest"]) == 2, "blocks without rounding are not listed"
 
 
 def test_actions_that_do_not_change_allocated_bytes_are_ignored() -> None:
