@@ -43,6 +43,16 @@ class PyTorchLoaderAdopter(StateAdopter):
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         return self.decline_reason(context)
 
+    def initialize(self, context: AdoptionContext) -> None:
+        """Zeroed moments of TE's dtypes (the stand-in's), else of the parameter's."""
+        dtypes = getattr(context.optimizer, "name_to_dtype_map", {})
+        for group in context.optimizer.param_groups:
+            for param in group["params"]:
+                context.optimizer.state[param] = {
+                    key: torch.zeros_like(param, dtype=dtypes.get(key, param.dtype))
+                    for key in ("exp_avg", "exp_avg_sq")
+                }
+
     def read_target_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         return self.decline_reason(context)
 
@@ -156,7 +166,9 @@ class RaisingAfterLoaderAdopter(PyTorchLoaderAdopter):
 class Exporter(DecliningAdopter):
     """Declines loads; exports what ``export(optimizer)`` returns (``decline`` is its answer)."""
 
-    def __init__(self, name: str, export: Callable[[Any], Any], decline: Optional[str] = None) -> None:
+    def __init__(
+        self, name: str, export: Callable[[Any], Any], decline: Optional[str] = None
+    ) -> None:
         super().__init__(name, "exports only")
         self.export, self.decline = export, decline
 
@@ -193,11 +205,15 @@ class ReadTargets(DecliningAdopter):
         return optimizer.get_unscaled_state(param, name)
 
 
-class Initializer(DecliningAdopter):
-    """Accepts the initialize role only."""
+class Initializer(PyTorchLoaderAdopter):
+    """Initializes, and loads only a state dict the call site owns: the check an initialization
+    must pass."""
 
     def __init__(self, name: str = "initializer") -> None:
-        super().__init__(name, "initializes only")
+        super().__init__(name)
+
+    def decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        return None if context.owns_state_dict else "initializes only"
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         return None

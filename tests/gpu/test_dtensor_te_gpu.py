@@ -3,8 +3,8 @@
 What the CPU stand-in claims about TE 2.x, checked against TE itself on DTensors of a one-rank
 device mesh: TE's own loader copies DTensor moments (8 B x local elements), the default adopter
 installs them by reference with bit-for-bit TE's result and next step, and TE's ``step()``
-without gradients creates exactly the state and group ``step`` of MCore's dummy step on zero
-gradients (which the default adopter relies on at the ``initialize`` hook point).
+without gradients, on the state the default adopter creates in one allocation, gives exactly the
+state and group ``step`` of MCore's dummy step on zero gradients (the ``initialize`` hook point).
 """
 
 from typing import Any, Iterator, List
@@ -118,3 +118,5 @@ def test_te_step_without_gradients_creates_the_dummy_steps_state(mesh: Any) -> N
         for key in ("exp_avg", "exp_avg_sq"):
             assert ours.state[mine][key].placements == dummy.state[theirs][key].placements == mine.placements
     assert ours.param_groups[0]["step"] == dummy.param_groups[0]["step"] == 1
+    storages = {m.untyped_storage().data_ptr() for m in _locals(ours)}
+    assert len(storages) == 1  # the moments are views of one allocation

@@ -41,7 +41,7 @@ from mcore_owners import (
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.optimizer import ChainedOptimizer
+from megatron.core.optimizer import ChainedOptimizer, distrib_optimizer
 from megatron.core.optimizer.distrib_optimizer import Range
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -305,6 +305,43 @@ def test_megatron_fsdp_initializes_the_state_through_the_registry(
             == [g["step"] for g in own.optimizer.param_groups]
             == [1, 1]
         )
+
+
+class _Reached(BaseException):
+    """Raised by :class:`_StoppingInitializer`: the call reached the registry; nothing after runs."""
+
+
+class _StoppingInitializer(PyTorchLoaderAdopter):
+    """Accepts torch Adam's initialization and stops the call there."""
+
+    def initialize(self, context: Any) -> None:
+        raise _Reached(context)
+
+
+SHARDED_LOADS = {
+    "DistributedOptimizer": lambda inner: _distributed(inner),
+    "FP32Optimizer": lambda inner: CpuFP32Optimizer(inner, OptimizerConfig()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SHARDED_LOADS)
+def test_a_sharded_state_dict_for_a_load_creates_the_state_through_the_registry(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before a ``torch_dist`` read, the state it is read into is the first accepting adopter's
+    to create (the distributed optimizer's placeholders, FP32Optimizer's ``init_state_fn``); undone when it
+    stops the call. The distributed optimizer's ``state_dict`` reads a fresh optimizer's step
+    from its groups where TE is installed, as on a GPU: its flags say so here."""
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    owner = SHARDED_LOADS[name](_adam(steps=0))
+    handle = default_registry().register(_StoppingInitializer("stopping", torch.optim.Adam), prepend=True)
+    try:
+        with pytest.raises(_Reached) as reached:
+            owner.sharded_state_dict({}, is_loading=True, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    finally:
+        handle.remove()
+    assert reached.value.args[0].optimizer is owner.optimizer and len(owner.optimizer.state) == 0
 
 
 def _precision_aware_adopter() -> TEFusedAdamPrecisionAwareStateAdopter:

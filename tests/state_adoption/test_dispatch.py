@@ -310,7 +310,7 @@ def _held_state(optimizer: Any) -> None:
 
 
 INITIALIZE_GATES = {
-    "state held already": (_held_state, "the optimizer holds state already, which the own initialization steps"),
+    "state held already": (_held_state, "the optimizer holds state already, which the own initialization keeps"),
     "a gradient": (lambda o: setattr(o.param_groups[1]["params"][0], "grad", torch.ones(7)),
                    "a parameter has a gradient, which a step would apply"),
     "a decoupled gradient": (lambda o: setattr(o.param_groups[1]["params"][0], "decoupled_grad", torch.ones(7)),

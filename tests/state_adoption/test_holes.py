@@ -1,5 +1,5 @@
 """The safeguards around what adopters hand out or leave behind: read targets that overlap,
-have the wrong dtype or stride; initializers, which only let the optimizer's own step run; a
+have the wrong dtype or stride; initializers, whose state their own load must accept; a
 state dict the caller keeps; a negated view; an exporter that wrote into the held state.
 
 Every test uses the CPU stand-in for TE's FusedAdam (tests/fused_adam_standin.py reproduces
@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
-from adopters_for_tests import Exporter, Initializer, ReadTargets, pytorch_state_dict
+from adopters_for_tests import Exporter, ReadTargets, pytorch_state_dict
 from builders import Owner, registry_of, standin_adopter
 from fused_adam_standin import FusedAdamStandIn
 from mcore_owners import CpuFP32Optimizer
@@ -20,6 +20,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.state_adoption import (
     AdoptionContext,
     StateAdopterRegistry,
+    TEFusedAdamFP32StateAdopter,
     export_inner_optimizer_state_dict,
     initialize_inner_optimizer_state,
     load_inner_optimizer_state_dict,
@@ -125,42 +126,64 @@ def test_overlapping_read_targets_are_refused_and_the_state_is_upstreams(targets
         assert torch.equal(mine, upstream)
 
 
-class _SelfCreatingInitializer(Initializer):
-    """An initializer that means to create the state itself (``initialize_state``): without
-    ``step``, with BF16 moments, with ``exp_avg`` only. The dispatcher never calls it."""
+class _CreatingInitializer(TEFusedAdamFP32StateAdopter):
+    """The built-in FP32 adopter (for the stand-in) creating other state than its own."""
 
-    def __init__(self, state: Callable[[torch.Tensor], Dict[str, torch.Tensor]]) -> None:
-        super().__init__("self_creating")
+    name = "creating"
+
+    def __init__(self, state: Callable[[List[torch.Tensor]], List[Dict[str, Any]]]) -> None:
+        super().__init__(FusedAdamStandIn, "cpu", "2.20.2")
         self.state = state
 
-    def initialize_state(self, context: AdoptionContext) -> None:
-        for group in context.optimizer.param_groups:
-            for param in group["params"]:
-                context.optimizer.state[param] = self.state(param)
+    def initialize(self, context: AdoptionContext) -> None:
+        params = context.optimizer.param_groups[0]["params"]
+        for param, entry in zip(params, self.state(params)):
+            context.optimizer.state[param] = entry
 
 
-SELF_CREATED = {
-    "no step": lambda p: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)},
-    "BF16 moments": lambda p: {k: torch.zeros_like(p, dtype=torch.bfloat16) for k in ("exp_avg", "exp_avg_sq")},
-    "exp_avg only": lambda p: {"exp_avg": torch.zeros_like(p)},
-}
+def _moments(make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[List[torch.Tensor]], List[Dict[str, Any]]]:
+    return lambda params: [{k: make(p) for k in ("exp_avg", "exp_avg_sq")} for p in params]
 
 
-@pytest.mark.parametrize("created", SELF_CREATED)
-def test_an_initializer_cannot_create_other_state_than_the_optimizers_own_step(created: str) -> None:
+_SHARED = torch.zeros(4)
+CREATED = {
+    "BF16 moments": (_moments(lambda p: torch.zeros_like(p, dtype=torch.bfloat16)), "incoming exp_avg is torch.bfloat16"),
+    "exp_avg only": (lambda ps: [{"exp_avg": torch.zeros_like(p)} for p in ps], "has keys ['exp_avg']"),
+    "the parameter itself": (_moments(lambda p: p.data), "exp_avg overlaps parameter 0"),
+    "one tensor for both moments": (lambda ps: [dict.fromkeys(("exp_avg", "exp_avg_sq"), torch.zeros_like(p)) for p in ps],
+                                    "exp_avg_sq overlaps incoming exp_avg"),
+    "moments shared by two parameters": (_moments(lambda p: _SHARED), "overlaps incoming exp_avg"),
+    "another shape": (_moments(lambda p: torch.zeros(2, 2)), "has shape (2, 2), the parameter (4,)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("created", CREATED)
+def test_an_initialization_its_own_load_would_not_accept_is_undone(created: str) -> None:
+    """The created state must be what the adopter's load accepts as a state dict the call site
+    owns: TE's keys and dtypes, the parameter's shape, memory of its own. Anything else is undone
+    and the own initialization (the dummy step) runs; a strict registry raises."""
+    make, reason = CREATED[created]
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(2)]
+    owner, ran = Owner(FusedAdamStandIn([{"params": params}])), []
+    own = lambda: ran.append(1)  # noqa: E731
+    with pytest.raises(RuntimeError, match=re.escape(reason)):
+        initialize_inner_optimizer_state(owner, own, registry=registry_of(_CreatingInitializer(make)))
+    assert len(owner.optimizer.state) == 0 and "step" not in owner.optimizer.param_groups[0] and ran == []
+    initialize_inner_optimizer_state(owner, own, registry=registry_of(_CreatingInitializer(make), strict=False))
+    assert len(owner.optimizer.state) == 0 and "step" not in owner.optimizer.param_groups[0] and ran == [1]
+
+
+def test_the_created_state_takes_a_checkpoint_as_the_dummy_steps_does() -> None:
     """Megatron-FSDP's resume: create the state, read the checkpoint into it (only keys the
-    state and groups have are read), load. An accepting initializer only lets the optimizer's
-    own step run without gradients, so the state has every key and dtype the checkpoint carries:
-    after the resume the step is the checkpoint's 2 and the next one 3, the moments FP32, the
-    values the checkpoint's."""
+    state and groups have are read), load. TE's step gives the groups their ``step``, so after
+    the resume the step is the checkpoint's 2 and the next one 3, the moments the checkpoint's."""
     checkpoint = FusedAdamStandIn([{"params": [torch.nn.Parameter(torch.ones(4))]}])
     for _ in range(2):
         checkpoint.param_groups[0]["params"][0].grad = torch.full((4,), 1 / 3)
         checkpoint.step()
     param = torch.nn.Parameter(torch.ones(4))
     owner = Owner(FusedAdamStandIn([{"params": [param]}]))
-    initializer = _SelfCreatingInitializer(SELF_CREATED[created])
-    initialize_inner_optimizer_state(owner, lambda: None, registry=registry_of(initializer))
+    initialize_inner_optimizer_state(owner, registry=registry_of(standin_adopter()))
     held, saved = owner.optimizer.state[param], checkpoint.state[checkpoint.param_groups[0]["params"][0]]
     for key, value in held.items():  # the read: in place, only the keys the state has
         value.copy_(saved[key])

@@ -493,7 +493,9 @@ def _initialize(owner: Any, *adopters: Any, own: Any = None) -> AdoptionOutcome:
     )
 
 
-def test_tes_step_without_gradients_creates_exactly_the_dummy_steps_state(cpu_mesh: Any) -> None:
+def test_the_created_state_is_the_dummy_steps_in_one_allocation(cpu_mesh: Any) -> None:
+    """The moments are views of one allocation, each on a 512-byte boundary (the allocator's
+    block alignment), so no moment has a segment of its own for the allocator to round up."""
     ours, own = _fsdp(cpu_mesh, shapes=SHAPES), _fsdp(cpu_mesh, shapes=SHAPES)
     created = _initialize(ours, standin_adopter())
     assert (created.adopter, created.allocated_bytes, created.reused_bytes) == (
@@ -501,6 +503,9 @@ def test_tes_step_without_gradients_creates_exactly_the_dummy_steps_state(cpu_me
         8 * ELEMENTS,
         0,
     )
+    moments = _locals(state_tensors(ours.optimizer))
+    assert len({m.untyped_storage().data_ptr() for m in moments}) == 1
+    assert sorted(m.storage_offset() * 4 % 512 for m in moments) == [0] * len(moments)
     assert [p.grad for p in _params(ours.optimizer)] == [None] * len(SHAPES)
     dummy = _initialize(own)
     assert dummy.method == "DistributedOptimizer._init_optimizer_states_with_dummy_values"
@@ -591,7 +596,7 @@ INITIALIZE = [
 ]  # fmt: skip
 GATES = [
     _P(lambda o: o.optimizer.initialize_state(_params(o.optimizer)[0]),
-       "the optimizer holds state already, which the own initialization steps", id="state held"),
+       "the optimizer holds state already, which the own initialization keeps", id="state held"),
     _P(_grad(1), GRADIENT, id="a gradient"),
     _P(_grad(3, "decoupled_grad"), GRADIENT, id="a decoupled gradient"),
 ]  # fmt: skip

@@ -105,11 +105,19 @@ class StateAdopter(abc.ABC):
         raise NotImplementedError
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Checks whether ``optimizer.step()`` without gradients creates the complete state.
-
-        If it does, Megatron-FSDP's dummy step before a checkpoint read needs no zero gradients.
-        """
+        """Checks whether to create the state a checkpoint is read into (:meth:`initialize`)."""
         return "it offers no initialization"
+
+    def initialize(self, context: AdoptionContext) -> None:
+        """Creates every parameter's state before a checkpoint is read into it.
+
+        Upstream creates it parameter by parameter (Megatron-FSDP's dummy step, ``init_state_fn``,
+        the distributed optimizer's placeholders), each tensor its own allocation. The state
+        created here must be what the adopter's load accepts as a state dict the call site owns
+        (:meth:`decline_reason`), its values zero, and each group as a step without gradients
+        leaves it: the read fills the groups' keys, ``step`` included.
+        """
+        raise NotImplementedError
 
     def read_target_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Checks whether to supply the tensors a checkpoint is read into (once per read)."""

@@ -10,6 +10,7 @@ class below.
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
@@ -117,16 +118,16 @@ def export_inner_optimizer_state_dict(
 
 
 class _Initialize(HookPoint[None]):
-    """Megatron-FSDP's dummy step: a step without gradients must create every parameter's
-    state, and runs only where it cannot apply anything."""
+    """The state a checkpoint is read into: the adopter creates it as its load accepts it, and
+    then the inner optimizer's own step, without gradients, gives the groups their keys."""
 
     name, verb, upstream_method = "initialize", "initialized", "step"
-    changeable = None  # the action is the inner optimizer's own step
+    changeable = ("state", "param_groups")
 
     def __init__(
         self,
         owner: "MegatronOptimizer",
-        own_initialization: Callable[[], None],
+        own_initialization: Optional[Callable[[], None]],
         registry: Optional[StateAdopterRegistry],
     ) -> None:
         super().__init__(owner, registry)
@@ -144,7 +145,7 @@ class _Initialize(HookPoint[None]):
     def gate_reason(self) -> Optional[str]:
         optimizer = self.optimizer
         if len(optimizer.state) > 0:
-            return "the optimizer holds state already, which the own initialization steps"
+            return "the optimizer holds state already, which the own initialization keeps"
         for param in checks.params_of(optimizer):
             if param.grad is not None or getattr(param, "decoupled_grad", None) is not None:
                 return "a parameter has a gradient, which a step would apply"
@@ -154,28 +155,42 @@ class _Initialize(HookPoint[None]):
         return adopter.initialize_decline_reason(self.context)
 
     def act(self, adopter: StateAdopter) -> None:
+        adopter.initialize(self.context)
         self.optimizer.step()
 
     def result_problem(self, result: None, adopter: StateAdopter) -> Optional[str]:
-        return checks.initialized_state_problem(self.optimizer, checks.params_of(self.optimizer))
+        problem = checks.initialized_state_problem(self.optimizer, checks.params_of(self.optimizer))
+        if problem is not None:
+            return problem
+        held = checks.held_state_dict(self.optimizer)
+        scaffold = replace(self.context, state_dict=held, owns_state_dict=True)
+        problem = adopter.decline_reason(scaffold)
+        return None if problem is None else f"its load declines the state: {problem}"
 
     def own(self) -> None:
-        self.own_initialization()
+        if self.own_initialization is not None:
+            self.own_initialization()
 
     def own_label(self) -> str:
-        return getattr(self.own_initialization, "__qualname__", repr(self.own_initialization))
+        own = self.own_initialization
+        if own is None:
+            return "the call site's own state"
+        return getattr(own, "__qualname__", repr(own))
 
 
 def initialize_inner_optimizer_state(
     owner: "MegatronOptimizer",
-    own_initialization: Callable[[], None],
+    own_initialization: Optional[Callable[[], None]] = None,
     registry: Optional[StateAdopterRegistry] = None,
 ) -> None:
-    """Runs ``own_initialization`` (a dummy step on zero gradients), or a step without them.
+    """Creates the state a checkpoint is read into through the first accepting adopter, or runs
+    ``own_initialization``.
 
     Args:
-        owner (MegatronOptimizer): the Megatron optimizer (Megatron-FSDP) before a read.
-        own_initialization (Callable[[], None]): upstream's initialization.
+        owner (MegatronOptimizer): the Megatron optimizer whose inner optimizer holds no state yet.
+        own_initialization (Callable[[], None], optional): upstream's initialization (a dummy
+            step on zero gradients, ``init_state_fn``); None where upstream's code creates the
+            state afterwards itself (the distributed optimizer's placeholders).
         registry (StateAdopterRegistry, optional): defaults to the process-wide one.
     """
     run(_Initialize(owner, own_initialization, registry))

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from packaging.version import InvalidVersion, Version
+from torch.distributed.tensor import DTensor
 
 from megatron.core.utils import get_te_version
 
@@ -51,6 +52,38 @@ def fused_adam_problem(
         if method in getattr(optimizer, "__dict__", {}):
             return f"the {cls.__qualname__} instance has its own {method}"
     return None
+
+
+def _packed_zeros(likes: List[torch.Tensor], alignment: int = 512) -> List[torch.Tensor]:
+    """Zeroed FP32 tensors of the shapes and devices of ``likes``, views of one allocation per
+    device, each starting on an ``alignment``-byte boundary as the allocator's blocks do."""
+    step = alignment // torch.float32.itemsize
+    offsets: List[int] = []
+    ends: Dict[torch.device, int] = {}
+    for like in likes:
+        start = ends.get(like.device, 0)
+        offsets.append(start)
+        ends[like.device] = start + -(-like.numel() // step) * step
+    buffers = {
+        device: torch.zeros(end, dtype=torch.float32, device=device) for device, end in ends.items()
+    }
+    return [
+        buffers[like.device][start : start + like.numel()].view(like.shape)
+        for like, start in zip(likes, offsets)
+    ]
+
+
+def _as_state_of(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` as TE holds the state of ``param``: a DTensor of its layout where it is one."""
+    if not isinstance(param, DTensor):
+        return shard
+    return DTensor.from_local(
+        shard,
+        device_mesh=param.device_mesh,
+        placements=param.placements,
+        shape=param.size(),
+        stride=param.stride(),
+    )
 
 
 class _TEFusedAdamAdopter(StateAdopter):
@@ -100,14 +133,28 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Accept what the load accepts of the optimizer and its parameters: TE's step creates
-        every parameter's zeroed moments and advances each group's ``step`` before it skips the
-        parameters without gradients, launching no kernel."""
+        """Accept what the load accepts of the optimizer and its parameters, and TE's own step,
+        which then advances each group's ``step`` and skips the parameters without gradients,
+        launching no kernel."""
         return (
             self._mode_problem(context, self._settings_problem)
             or fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",))
             or checks.params_problem(context.optimizer, self._param_problem)
         )
+
+    def initialize(self, context: AdoptionContext) -> None:
+        """Every parameter's zeroed FP32 moments, as views of one allocation per device.
+
+        TE allocates each moment on its own; above 1 MiB the allocator rounds each to its own
+        2 MiB segment, which the moments then keep (0.08 B per parameter on Qwen2.5-0.5B).
+        """
+        params = checks.params_of(context.optimizer)
+        moments = _packed_zeros([checks.local(p) for p in params for _ in MOMENT_KEYS])
+        for index, param in enumerate(params):
+            pair = moments[len(MOMENT_KEYS) * index : len(MOMENT_KEYS) * (index + 1)]
+            context.optimizer.state[param] = {
+                key: _as_state_of(param, moment) for key, moment in zip(MOMENT_KEYS, pair)
+            }
 
     def _settings_problem(self, optimizer: Any) -> Optional[str]:
         """FP32 moments, no master weights, no remainders (absent only before TE 2.1)."""
