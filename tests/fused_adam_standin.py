@@ -36,7 +36,7 @@ local shards.
 
 Every state tensor it allocates is counted in ``allocations`` so tests can prove that an
 adopter allocated nothing. Not reproduced: FP16/FP8 scaled moments, and ``step`` with
-master weights (it raises).
+master weights on a parameter with a gradient (it raises).
 """
 
 from itertools import chain
@@ -192,8 +192,6 @@ class FusedAdamStandIn(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """One AdamW step; moments are read and written in their configured dtype."""
-        if self.master_weights:
-            raise NotImplementedError("the stand-in does not reproduce steps with master weights")
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
@@ -205,6 +203,8 @@ class FusedAdamStandIn(torch.optim.Optimizer):
                     self.initialize_state(param, store_param_remainders=False)
                 if param.grad is None:
                     continue
+                if self.master_weights:
+                    raise NotImplementedError("the stand-in does not reproduce master-weight updates")
                 exp_avg = self.get_unscaled_state(param, "exp_avg")
                 exp_avg_sq = self.get_unscaled_state(param, "exp_avg_sq")
                 grad = _local(param.grad).float()

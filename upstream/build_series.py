@@ -871,7 +871,8 @@ def _keep_imports(source: str, keep: Any) -> str:
 def prune_package(sources: Dict[str, str], split: Dict[str, Any]) -> Dict[str, str]:
     """(b)'s modules, by file name, made from the final ``sources`` and split.toml's ``modules``.
 
-    Each module loses the names split.toml lists and the imports only they used; ``__init__.py``
+    A module split.toml marks ``omit`` is left out. Each module loses the names split.toml lists
+    and the imports only they used; ``__init__.py``
     also the names the modules no longer define, the statements that use them and their
     ``__all__`` entries. Raises :class:`SeriesError` for a module or name that does not exist,
     and for a name a module reads that nothing defines any more.
@@ -882,6 +883,8 @@ def prune_package(sources: Dict[str, str], split: Dict[str, Any]) -> Dict[str, s
     pruned = {}
     for name, source in sources.items():
         entry = split.get(name, {})
+        if entry.get("omit", False):
+            continue
         text = prune_source(source, entry.get("remove", []), entry.get("docstrings", {}), name)
         was = _used_names(ast.parse(source))
         while True:  # an emptied ``if TYPE_CHECKING:`` frees TYPE_CHECKING

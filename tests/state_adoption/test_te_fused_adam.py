@@ -39,6 +39,7 @@ from megatron.core.optimizer.state_adoption import (
     initialize_inner_optimizer_state,
     load_inner_optimizer_state_dict,
 )
+from megatron.core.optimizer.state_adoption import allocation
 from megatron.core.optimizer.state_adoption.te_fused_adam import TEFusedAdamFP32StateAdopter
 
 NAME = "te_fused_adam_fp32"
@@ -522,6 +523,45 @@ def test_the_created_state_is_the_dummy_steps_in_one_allocation(cpu_mesh: Any) -
         == [g["step"] for g in own.optimizer.param_groups]
         == [1, 1]
     )
+
+
+MIB = 1 << 20
+
+
+def _held_by_the_allocator(size: int) -> int:
+    """What the CUDA caching allocator's block of a new allocation of ``size`` bytes (a multiple
+    of 512) holds: from 10 MiB on, a segment of its own rounded up to 2 MiB, kept whole where
+    1 MiB or less is left over; below that, a split block of ``size``."""
+    segment = -(-size // (2 * MIB)) * 2 * MIB
+    return segment if size >= 10 * MIB and segment - size <= MIB else size
+
+
+# Qwen2.5-0.5B's FP32 moments on one rank, per parameter of its 24 layers and the embedding (512-byte
+# blocks): linear_qkv's weight and bias, linear_proj, linear_fc1 and fc2, two norms; the final norm.
+QWEN_MOMENTS = 2 * ([1152 * 896 * 4, 1152 * 4, 896 * 896 * 4, 9728 * 896 * 4, 896 * 4864 * 4,
+                     896 * 4, 896 * 4] * 24 + [151936 * 896 * 4, 896 * 4])  # fmt: skip
+SIZES = {
+    "Qwen2.5-0.5B": QWEN_MOMENTS,
+    "keeps no remainder": [4 * MIB] * 3,
+    "one large size overshoots": [3 * MIB, 8 * MIB + MIB // 2],
+    "small in all": [512] * 9,
+}
+
+
+@pytest.mark.parametrize("name", SIZES)
+def test_the_moments_allocations_leave_the_allocator_no_remainder_it_keeps(name: str) -> None:
+    """Qwen2.5-0.5B's moments in one allocation would hold 0.83 MiB more than they need: the
+    smallest go to a second allocation and neither does. Where one allocation keeps nothing, or
+    a large size would overshoot, there is one."""
+    sizes = sorted(-(-size // 512) * 512 for size in SIZES[name])
+    tail = allocation._tail_length(sizes)
+    held = [_held_by_the_allocator(sum(part)) for part in (sizes[:tail], sizes[tail:]) if part]
+    one = _held_by_the_allocator(sum(sizes))
+    assert (tail > 0) == (name == "Qwen2.5-0.5B")
+    assert sum(held) == (sum(sizes) if name != "one large size overshoots" else one)
+    assert name != "one large size overshoots" or one > sum(sizes)
+    if name == "Qwen2.5-0.5B":
+        assert one - sum(sizes) == 869_376  # the 0.83 MiB the GPU run's allocator records show
 
 
 def _resume(owner: Any, checkpoint: Any) -> None:

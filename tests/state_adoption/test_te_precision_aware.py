@@ -36,6 +36,7 @@ from megatron.core.optimizer.state_adoption import (
     AdoptionContext,
     AdoptionOutcome,
     export_inner_optimizer_state_dict,
+    initialize_inner_optimizer_state,
     load_inner_optimizer_state_dict,
     reading_optimizer_state,
 )
@@ -151,6 +152,30 @@ def test_the_scaffold_is_installed_by_reference_with_tes_scales_of_one(mode: str
         == [7, 7]
     )
     assert [p.dtype for p in _params(adopted)] == [MODES[mode]["dtype"]] * 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_scaffold_is_created_in_one_allocation_and_the_first_load_keeps_it(mode: str) -> None:
+    """Before the distributed optimizer's first load, the adopter creates the scaffold: TE's
+    keys, dtypes and scales of one, zeroed, every tensor a view of one allocation on a 512-byte
+    boundary; TE's step without gradients gives the groups their ``step``. The first load (the
+    held state handed back) then keeps it, as with MCore's placeholders."""
+    created, by_te = _optimizer(mode), _optimizer(mode)
+    registry = registry_of(precision_aware_adopter())
+    outcome = outcome_of(registry, lambda: initialize_inner_optimizer_state(
+        _owner(created), registry=registry))  # fmt: skip
+    for param in _params(by_te):
+        remainders = by_te.store_param_remainders and param.dtype == BF16
+        by_te.initialize_state(param, remainders)
+    assert outcome.adopter == NAME and created.allocations == 0
+    layout = [[(k, v.dtype, v.shape) for k, v in o.state[p].items()] for o in (created, by_te) for p in _params(o)]
+    assert layout[:4] == layout[4:] and _scales(created) == _scales(by_te)
+    assert len({t.untyped_storage().data_ptr() for t in _held(created)}) == 1
+    assert all(t.storage_offset() * t.element_size() % 512 == 0 and not t.any() for t in _held(created))
+    assert [g["step"] for g in created.param_groups] == [1, 1]
+    held = _held(created)
+    load = _load(created, _export(created))
+    assert load.adopter == NAME and all(a is b for a, b in zip(_held(created), held))
 
 
 def _export(optimizer: FusedAdamStandIn) -> Dict[str, Any]:

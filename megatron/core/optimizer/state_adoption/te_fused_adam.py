@@ -20,6 +20,7 @@ from megatron.core.utils import get_te_version
 
 from . import checks
 from .adopter import AdoptionContext, StateAdopter
+from .allocation import packed_zeros
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 # FusedAdam methods that allocate, scale or expose state: overriding one may rely on TE's loader.
@@ -52,25 +53,6 @@ def fused_adam_problem(
         if method in getattr(optimizer, "__dict__", {}):
             return f"the {cls.__qualname__} instance has its own {method}"
     return None
-
-
-def _packed_zeros(likes: List[torch.Tensor], alignment: int = 512) -> List[torch.Tensor]:
-    """Zeroed FP32 tensors of the shapes and devices of ``likes``, views of one allocation per
-    device, each starting on an ``alignment``-byte boundary as the allocator's blocks do."""
-    step = alignment // torch.float32.itemsize
-    offsets: List[int] = []
-    ends: Dict[torch.device, int] = {}
-    for like in likes:
-        start = ends.get(like.device, 0)
-        offsets.append(start)
-        ends[like.device] = start + -(-like.numel() // step) * step
-    buffers = {
-        device: torch.zeros(end, dtype=torch.float32, device=device) for device, end in ends.items()
-    }
-    return [
-        buffers[like.device][start : start + like.numel()].view(like.shape)
-        for like, start in zip(likes, offsets)
-    ]
 
 
 def _as_state_of(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
@@ -143,17 +125,14 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         )
 
     def initialize(self, context: AdoptionContext) -> None:
-        """Every parameter's zeroed FP32 moments, as views of one allocation per device.
-
-        TE allocates each moment on its own; above 1 MiB the allocator rounds each to its own
-        2 MiB segment, which the moments then keep (0.08 B per parameter on Qwen2.5-0.5B).
-        """
+        """Every parameter's zeroed FP32 moments, as views of one allocation per device, not one
+        each as TE creates them (see :mod:`.allocation`)."""
         params = checks.params_of(context.optimizer)
-        moments = _packed_zeros([checks.local(p) for p in params for _ in MOMENT_KEYS])
-        for index, param in enumerate(params):
-            pair = moments[len(MOMENT_KEYS) * index : len(MOMENT_KEYS) * (index + 1)]
+        layouts = [(checks.local(p), torch.float32) for p in params for _ in MOMENT_KEYS]
+        moments = iter(packed_zeros(layouts))
+        for param in params:
             context.optimizer.state[param] = {
-                key: _as_state_of(param, moment) for key, moment in zip(MOMENT_KEYS, pair)
+                key: _as_state_of(param, next(moments)) for key in MOMENT_KEYS
             }
 
     def _settings_problem(self, optimizer: Any) -> Optional[str]:
@@ -278,6 +257,32 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
                 if optimizer.name_to_dtype_map[key] != torch.float32 and not kept:
                     scale = torch.ones([1], dtype=torch.float32, device=param.device)
                     optimizer._scales.setdefault(param, {})[key] = scale
+
+    def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Accept what the scaffold install accepts of the optimizer and its parameters, and
+        TE's own step, which then advances each group's ``step`` and skips the parameters
+        without gradients."""
+        return (
+            self._opt_in_problem(context)
+            or self._mode_problem(context, _bf16_settings_problem)
+            or fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",))
+            or checks.params_problem(context.optimizer, self._param_problem)
+        )
+
+    def initialize(self, context: AdoptionContext) -> None:
+        """The scaffold, zeroed, as views of one allocation per device, with TE's scales of one
+        (the distributed optimizer's placeholders are one allocation each)."""
+        optimizer: Any = context.optimizer
+        params = checks.params_of(optimizer)
+        layouts = [
+            (p, key, dtype) for p in params for key, dtype in _expected(optimizer, p).items()
+        ]
+        tensors = packed_zeros([(param, dtype) for param, _, dtype in layouts])
+        for (param, key, dtype), tensor in zip(layouts, tensors):
+            optimizer.state[param][key] = tensor
+            if optimizer.name_to_dtype_map[key] != torch.float32:
+                scale = torch.ones([1], dtype=torch.float32, device=param.device)
+                optimizer._scales.setdefault(param, {})[key] = scale
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a held state laid out as TE's loader leaves it, with scales of one."""

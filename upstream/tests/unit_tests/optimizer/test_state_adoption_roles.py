@@ -19,6 +19,7 @@ from megatron.core.optimizer.state_adoption import (
     StateAdopterRegistry,
     default_registry,
     export_inner_optimizer_state_dict,
+    initialize_inner_optimizer_state,
 )
 from tests.unit_tests.optimizer.test_state_adoption import (
     PyTorchLoaderAdopter,
@@ -150,6 +151,19 @@ class TestDistributedOptimizerCallSites:
         (outcome,) = outcomes
         assert (outcome.hook_point, outcome.adopter) == ("initialize", None)
         assert sorted(state_dict["state"]) == ["param0", "param1"]
+
+    @requires_te_on_cuda
+    def test_te_fused_adam_state_is_created_in_one_allocation(self, outcomes):
+        optimizer = _te_fused_adam(seed=0)
+
+        initialize_inner_optimizer_state(_owner(optimizer), lambda: None)
+
+        (outcome,) = outcomes
+        assert (outcome.hook_point, outcome.adopter) == ("initialize", "te_fused_adam_fp32")
+        moments = _moments(optimizer)
+        assert len({m.untyped_storage().data_ptr() for m in moments}) == 1
+        assert all(m.dtype == torch.float32 and not m.any() for m in moments)
+        assert optimizer.param_groups[0]["step"] == 1
 
 
 def _bare_float16_optimizer(inner, **config):
