@@ -105,7 +105,7 @@ def test_te_step_without_gradients_creates_the_dummy_steps_state(mesh: Any) -> N
 
     registry = _registry()
     outcome = outcome_of(
-        registry, lambda: initialize_inner_optimizer_state(_fsdp_owner(ours), lambda: None, registry=registry)
+        registry, lambda: initialize_inner_optimizer_state(_fsdp_owner(ours), lambda: None, registry=registry, steps=True)
     )
     assert outcome.adopter == "te_fused_adam_fp32" and outcome.allocated_bytes == 8 * ELEMENTS
     dummy_step()

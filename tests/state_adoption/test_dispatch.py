@@ -110,7 +110,7 @@ def _dummy_step(optimizer: torch.optim.Optimizer) -> None:
 def _initialize() -> Tuple[Owner, Callable[[StateAdopterRegistry], Any]]:
     owner = Owner(fresh_standin())
     return owner, lambda registry: initialize_inner_optimizer_state(
-        owner, lambda: _dummy_step(owner.optimizer), registry=registry
+        owner, lambda: _dummy_step(owner.optimizer), registry=registry, steps=True
     )
 
 
@@ -397,7 +397,7 @@ def _off_export(owner: Owner, registry: StateAdopterRegistry) -> List[str]:
 
 def _off_initialize(owner: Owner, registry: StateAdopterRegistry) -> List[str]:
     ran: List[int] = []
-    initialize_inner_optimizer_state(owner, lambda: ran.append(1) or _dummy_step(owner.optimizer), registry=registry)
+    initialize_inner_optimizer_state(owner, lambda: ran.append(1) or _dummy_step(owner.optimizer), registry=registry, steps=True)
     assert ran == [1] and len(owner.optimizer.state) == 4
     return ["step"]
 
@@ -973,7 +973,7 @@ def test_the_own_codes_error_propagates_unchanged_after_its_outcome(case: Case) 
     owner.optimizer.__dict__[case.method] = raising
     if case.point == "initialize":
         owner.optimizer.__dict__.pop("step")
-        owner, run = owner, lambda registry: initialize_inner_optimizer_state(owner, raising, registry=registry)
+        owner, run = owner, lambda registry: initialize_inner_optimizer_state(owner, raising, registry=registry, steps=True)
     registry, outcomes = registry_of(), []
     registry.register_outcome_hook(outcomes.append)
     with pytest.raises(ValueError) as raised:

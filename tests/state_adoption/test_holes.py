@@ -167,9 +167,9 @@ def test_an_initialization_its_own_load_would_not_accept_is_undone(created: str)
     owner, ran = Owner(FusedAdamStandIn([{"params": params}])), []
     own = lambda: ran.append(1)  # noqa: E731
     with pytest.raises(RuntimeError, match=re.escape(reason)):
-        initialize_inner_optimizer_state(owner, own, registry=registry_of(_CreatingInitializer(make)))
+        initialize_inner_optimizer_state(owner, own, registry=registry_of(_CreatingInitializer(make)), steps=True)
     assert len(owner.optimizer.state) == 0 and "step" not in owner.optimizer.param_groups[0] and ran == []
-    initialize_inner_optimizer_state(owner, own, registry=registry_of(_CreatingInitializer(make), strict=False))
+    initialize_inner_optimizer_state(owner, own, registry=registry_of(_CreatingInitializer(make), strict=False), steps=True)
     assert len(owner.optimizer.state) == 0 and "step" not in owner.optimizer.param_groups[0] and ran == [1]
 
 
@@ -183,7 +183,7 @@ def test_the_created_state_takes_a_checkpoint_as_the_dummy_steps_does() -> None:
         checkpoint.step()
     param = torch.nn.Parameter(torch.ones(4))
     owner = Owner(FusedAdamStandIn([{"params": [param]}]))
-    initialize_inner_optimizer_state(owner, registry=registry_of(standin_adopter()))
+    initialize_inner_optimizer_state(owner, registry=registry_of(standin_adopter()), steps=True)
     held, saved = owner.optimizer.state[param], checkpoint.state[checkpoint.param_groups[0]["params"][0]]
     for key, value in held.items():  # the read: in place, only the keys the state has
         value.copy_(saved[key])

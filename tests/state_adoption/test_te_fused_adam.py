@@ -490,7 +490,7 @@ def test_an_empty_local_shard_is_adopted_with_what_the_state_dict_has(
 def _initialize(owner: Any, *adopters: Any, own: Any = None) -> AdoptionOutcome:
     registry, own = registry_of(*adopters), own or owner._init_optimizer_states_with_dummy_values
     return outcome_of(
-        registry, lambda: initialize_inner_optimizer_state(owner, own, registry=registry)
+        registry, lambda: initialize_inner_optimizer_state(owner, own, registry=registry, steps=True)
     )
 
 

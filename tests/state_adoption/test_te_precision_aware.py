@@ -158,7 +158,7 @@ def test_the_scaffold_is_installed_by_reference_with_tes_scales_of_one(mode: str
 def test_the_scaffold_is_created_in_one_allocation_and_the_first_load_keeps_it(mode: str) -> None:
     """Before the distributed optimizer's first load, the adopter creates the scaffold: TE's
     keys, dtypes and scales of one, zeroed, every tensor a view of one allocation on a 512-byte
-    boundary; TE's step without gradients gives the groups their ``step``. The first load (the
+    boundary, no group stepped (so the read may target the held moments). The first load (the
     held state handed back) then keeps it, as with MCore's placeholders."""
     created, by_te = _optimizer(mode), _optimizer(mode)
     registry = registry_of(precision_aware_adopter())
@@ -172,7 +172,8 @@ def test_the_scaffold_is_created_in_one_allocation_and_the_first_load_keeps_it(m
     assert layout[:4] == layout[4:] and _scales(created) == _scales(by_te)
     assert len({t.untyped_storage().data_ptr() for t in _held(created)}) == 1
     assert all(t.storage_offset() * t.element_size() % 512 == 0 and not t.any() for t in _held(created))
-    assert [g["step"] for g in created.param_groups] == [1, 1]
+    assert all("step" not in g for g in created.param_groups)  # the read's targets: no trained state
+    assert precision_aware_adopter().read_target_decline_reason(AdoptionContext.for_owner(_owner(created))) is None
     held = _held(created)
     load = _load(created, _export(created))
     assert load.adopter == NAME and all(a is b for a, b in zip(_held(created), held))

@@ -118,8 +118,9 @@ def export_inner_optimizer_state_dict(
 
 
 class _Initialize(HookPoint[None]):
-    """The state a checkpoint is read into: the adopter creates it as its load accepts it, and
-    then the inner optimizer's own step, without gradients, gives the groups their keys."""
+    """The state a checkpoint is read into: the adopter creates it as its load accepts it. Where
+    upstream's initialization is a step, the inner optimizer's own step without gradients then
+    gives the groups a step's keys, which the read fills."""
 
     name, verb, upstream_method = "initialize", "initialized", "step"
     changeable = ("state", "param_groups")
@@ -129,11 +130,14 @@ class _Initialize(HookPoint[None]):
         owner: "MegatronOptimizer",
         own_initialization: Optional[Callable[[], None]],
         registry: Optional[StateAdopterRegistry],
+        steps: bool,
     ) -> None:
         super().__init__(owner, registry)
-        self.own_initialization = own_initialization
+        self.own_initialization, self.steps = own_initialization, steps
 
     def upstream_hooks(self) -> Dict[str, object]:
+        if not self.steps:
+            return {}
         optimizer = self.optimizer
         return {
             "pre": getattr(optimizer, "_optimizer_step_pre_hooks", {}),
@@ -146,6 +150,8 @@ class _Initialize(HookPoint[None]):
         optimizer = self.optimizer
         if len(optimizer.state) > 0:
             return "the optimizer holds state already, which the own initialization keeps"
+        if not self.steps:
+            return None
         for param in checks.params_of(optimizer):
             if param.grad is not None or getattr(param, "decoupled_grad", None) is not None:
                 return "a parameter has a gradient, which a step would apply"
@@ -156,7 +162,8 @@ class _Initialize(HookPoint[None]):
 
     def act(self, adopter: StateAdopter) -> None:
         adopter.initialize(self.context)
-        self.optimizer.step()
+        if self.steps:
+            self.optimizer.step()
 
     def result_problem(self, result: None, adopter: StateAdopter) -> Optional[str]:
         problem = checks.initialized_state_problem(self.optimizer, checks.params_of(self.optimizer))
@@ -182,18 +189,23 @@ def initialize_inner_optimizer_state(
     owner: "MegatronOptimizer",
     own_initialization: Optional[Callable[[], None]] = None,
     registry: Optional[StateAdopterRegistry] = None,
+    *,
+    steps: bool = False,
 ) -> None:
     """Creates the state a checkpoint is read into through the first accepting adopter, or runs
     ``own_initialization``.
 
     Args:
         owner (MegatronOptimizer): the Megatron optimizer whose inner optimizer holds no state yet.
-        own_initialization (Callable[[], None], optional): upstream's initialization (a dummy
-            step on zero gradients, ``init_state_fn``); None where upstream's code creates the
-            state afterwards itself (the distributed optimizer's placeholders).
+        own_initialization (Callable[[], None], optional): upstream's initialization
+            (``init_state_fn``, a dummy step on zero gradients); None where upstream's code
+            creates the state afterwards itself (the distributed optimizer's placeholders).
         registry (StateAdopterRegistry, optional): defaults to the process-wide one.
+        steps (bool): upstream's initialization is a step (Megatron-FSDP's dummy step), whose
+            group keys (``step``) the read fills: the inner optimizer's own step without
+            gradients follows an adopter's initialization.
     """
-    run(_Initialize(owner, own_initialization, registry))
+    run(_Initialize(owner, own_initialization, registry, steps))
 
 
 class _Read(HookPoint[torch.Tensor]):

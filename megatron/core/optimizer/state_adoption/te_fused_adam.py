@@ -95,9 +95,8 @@ class _TEFusedAdamAdopter(StateAdopter):
 
 
 class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
-    """Installs FP32 Adam moments by reference: PyTorch's loader alone keeps them. For
-    Megatron-FSDP, TE's step without gradients creates the state a checkpoint is read into.
-    """
+    """Installs FP32 Adam moments by reference: PyTorch's loader alone keeps them. Creates the
+    state a checkpoint is read into in one allocation."""
 
     name = "te_fused_adam_fp32"
 
