@@ -114,9 +114,9 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         torch.optim.Optimizer.load_state_dict(context.optimizer, dict(context.state_dict))
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Accept what the load accepts of the optimizer and its parameters, and TE's own step,
-        which then advances each group's ``step`` and skips the parameters without gradients,
-        launching no kernel."""
+        """Accept what the load accepts of the optimizer and its parameters, and TE's own step
+        (where one follows: it advances each group's ``step`` and skips the parameters without
+        gradients, launching no kernel)."""
         return (
             self._mode_problem(context, self._settings_problem)
             or fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",))
@@ -259,8 +259,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept what the scaffold install accepts of the optimizer and its parameters, and
-        TE's own step, which then advances each group's ``step`` and skips the parameters
-        without gradients."""
+        TE's own step (where one follows)."""
         return (
             self._opt_in_problem(context)
             or self._mode_problem(context, _bf16_settings_problem)
