@@ -257,31 +257,6 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
                     scale = torch.ones([1], dtype=torch.float32, device=param.device)
                     optimizer._scales.setdefault(param, {})[key] = scale
 
-    def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
-        """Accept what the scaffold install accepts of the optimizer and its parameters, and
-        TE's own step (where one follows)."""
-        return (
-            self._opt_in_problem(context)
-            or self._mode_problem(context, _bf16_settings_problem)
-            or fused_adam_problem(context.optimizer, self._fused_adam_class, ("step",))
-            or checks.params_problem(context.optimizer, self._param_problem)
-        )
-
-    def initialize(self, context: AdoptionContext) -> None:
-        """The scaffold, zeroed, as views of one allocation per device, with TE's scales of one
-        (the distributed optimizer's placeholders are one allocation each)."""
-        optimizer: Any = context.optimizer
-        params = checks.params_of(optimizer)
-        layouts = [
-            (p, key, dtype) for p in params for key, dtype in _expected(optimizer, p).items()
-        ]
-        tensors = packed_zeros([(param, dtype) for param, _, dtype in layouts])
-        for (param, key, dtype), tensor in zip(layouts, tensors):
-            optimizer.state[param][key] = tensor
-            if optimizer.name_to_dtype_map[key] != torch.float32:
-                scale = torch.ones([1], dtype=torch.float32, device=param.device)
-                optimizer._scales.setdefault(param, {})[key] = scale
-
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a held state laid out as TE's loader leaves it, with scales of one."""
         return (
