@@ -49,6 +49,7 @@ from megatron.core.optimizer.state_adoption import (
     AdoptionOutcome,
     TEFusedAdamPrecisionAwareStateAdopter,
     default_registry,
+    initialize_inner_optimizer_state,
 )
 
 SIZES = (10, 12, 5)  # flat main-parameter shards, in two MCore-style param groups
@@ -342,6 +343,30 @@ def test_a_sharded_state_dict_for_a_load_creates_the_state_through_the_registry(
     finally:
         handle.remove()
     assert reached.value.args[0].optimizer is owner.optimizer and len(owner.optimizer.state) == 0
+
+
+def test_the_distributed_optimizers_first_load_keeps_the_state_the_adopter_created(
+    monkeypatch: pytest.MonkeyPatch, outcomes: List[AdoptionOutcome]
+) -> None:
+    """``sharded_state_dict(is_loading=True)``'s first steps with TE (the stand-in, and TE's flags
+    as on a GPU): the FP32 adopter creates the moments in one allocation, and the pass-1
+    ``load_state_dict(state_dict())`` keeps them (no placeholders, no copy, no group stepped)."""
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    owner = _distributed(_adam(steps=0, cls=FusedAdamStandIn))
+    handle = default_registry().register(StandInFP32Adopter(FusedAdamStandIn, "cpu", "2.20.2"), prepend=True)
+    try:
+        initialize_inner_optimizer_state(owner)
+        created = state_tensors(owner.optimizer)
+        owner.load_state_dict(owner.state_dict())
+    finally:
+        handle.remove()
+    standin = "te_fused_adam_fp32_standin"  # the export is TE's own: it copies no FP32 state
+    assert [(o.hook_point, o.adopter) for o in outcomes] == [
+        ("initialize", standin), ("export", None), ("load", standin)]  # fmt: skip
+    assert all(a is b for a, b in zip(state_tensors(owner.optimizer), created)) and len(created) == 6
+    assert len({t.untyped_storage().data_ptr() for t in created}) == 1
+    assert owner.optimizer.allocations == 0 and all("step" not in g for g in owner.optimizer.param_groups)
 
 
 def _precision_aware_adopter() -> TEFusedAdamPrecisionAwareStateAdopter:
