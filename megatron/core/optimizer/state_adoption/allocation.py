@@ -8,7 +8,7 @@ over: bytes a resumed run holds and a run that never stopped does not (its state
 of cached blocks at the first step).
 """
 
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 
@@ -20,38 +20,34 @@ _ALIGNMENT, _LARGE_ALLOCATION = 512, 10 << 20
 _SEGMENT_ROUNDING, _LEAST_SPLIT = 2 << 20, 1 << 20
 
 
-def packed_zeros(layouts: List[Tuple[torch.Tensor, torch.dtype]]) -> List[torch.Tensor]:
-    """Creates zeroed tensors as views of one allocation per device (two where
+def packed_zeros(likes: List[torch.Tensor], dtype: torch.dtype) -> List[torch.Tensor]:
+    """Creates zeroed ``dtype`` tensors as views of one allocation per device (two where
     :func:`_tail_length` says so), each on an ``_ALIGNMENT``-byte boundary.
 
     Args:
-        layouts (List[Tuple[torch.Tensor, torch.dtype]]): for each tensor, one whose shape and
-            device it takes, and its dtype.
+        likes (List[torch.Tensor]): for each tensor, one whose shape and device it takes.
+        dtype (torch.dtype): the tensors' dtype.
 
     Returns:
-        List[torch.Tensor]: the tensors, in the order of ``layouts``.
+        List[torch.Tensor]: the tensors, in the order of ``likes``.
     """
-    sizes = [
-        -(-like.numel() * dtype.itemsize // _ALIGNMENT) * _ALIGNMENT for like, dtype in layouts
-    ]
+    step = _ALIGNMENT // dtype.itemsize
+    sizes = [-(-like.numel() // step) * step for like in likes]  # elements, aligned
     by_device: Dict[torch.device, List[int]] = {}
-    for index, (like, _) in enumerate(layouts):
+    for index, like in enumerate(likes):
         by_device.setdefault(like.device, []).append(index)
     views: Dict[int, torch.Tensor] = {}
     for device, indices in by_device.items():
         indices.sort(key=sizes.__getitem__)
-        tail = _tail_length([sizes[index] for index in indices])
+        tail = _tail_length([sizes[index] * dtype.itemsize for index in indices])
         for allocation in filter(None, (indices[:tail], indices[tail:])):
-            buffer = torch.zeros(
-                sum(sizes[i] for i in allocation), dtype=torch.uint8, device=device
-            )
+            buffer = torch.zeros(sum(sizes[i] for i in allocation), dtype=dtype, device=device)
             start = 0
             for index in allocation:
-                like, dtype = layouts[index]
-                nbytes = like.numel() * dtype.itemsize
-                views[index] = buffer[start : start + nbytes].view(dtype).view(like.shape)
+                like = likes[index]
+                views[index] = buffer[start : start + like.numel()].view(like.shape)
                 start += sizes[index]
-    return [views[index] for index in range(len(layouts))]
+    return [views[index] for index in range(len(likes))]
 
 
 def _tail_length(sizes: List[int]) -> int:

@@ -127,8 +127,8 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         """Every parameter's zeroed FP32 moments, as views of one allocation per device, not one
         each as TE creates them (see :mod:`.allocation`)."""
         params = checks.params_of(context.optimizer)
-        layouts = [(checks.local(p), torch.float32) for p in params for _ in MOMENT_KEYS]
-        moments = iter(packed_zeros(layouts))
+        likes = [checks.local(param) for param in params for _ in MOMENT_KEYS]
+        moments = iter(packed_zeros(likes, torch.float32))
         for param in params:
             context.optimizer.state[param] = {
                 key: _as_state_of(param, next(moments)) for key in MOMENT_KEYS
