@@ -131,7 +131,7 @@ static_checks() {
   python -m mypy --cache-dir "$work/mypy-cache" megatron/core/optimizer/state_adoption \
     megatron/core/dist_checkpointing/in_place_merge.py \
     build_tools setup.py upstream/build_series.py upstream/make_gpu_bundle.py \
-    upstream/pytest_outcomes.py upstream/lint_series.py
+    scripts/device/pytest_outcomes.py upstream/lint_series.py
   echo "== mypy --strict: the resume benchmark (Megatron-Core, TE and TensorBoard as Any)"
   python -m mypy --cache-dir "$work/mypy-cache" --config-file benchmarks/mypy.ini \
     benchmarks/resume_benchmark

@@ -70,7 +70,7 @@ import transformer_engine.pytorch' || echo "WARNING: transformer_engine does not
 # The last outcome line of each test, the worst one if a test has several (e.g. teardown error).
 final_outcomes() {  # rank file -> "outcome<TAB>nodeid" sorted by nodeid
   awk -F'\t' '
-    $1 == "START" || $1 == "SESSION_END" { next }
+    $1 ~ /^(COLLECTED|COLLECT_ERROR|COLLECT_SKIP|START|SESSION_END)$/ { next }
     { rank["passed"]=1; rank["xfailed"]=1; rank["xpassed"]=2; rank["skipped"]=1;
       rank["failed"]=3; rank["error"]=4; rank["timeout"]=5;
       if (!($2 in o) || rank[$1] > rank[o[$2]]) o[$2] = $1 }
@@ -124,8 +124,8 @@ cmd_run() {
     set +e
     (
       cd "$tree"
-      export PYTHONPATH="$tree:$here:$WORK/site" CUDA_VISIBLE_DEVICES="$gpus"
-      export MASTER_ADDR=localhost MASTER_PORT="$port" PYTEST_OUTCOMES_DIR="$out/outcomes"
+      export PYTHONPATH="$tree:$repo/scripts/device:$WORK/site" CUDA_VISIBLE_DEVICES="$gpus"
+      export MASTER_ADDR=localhost MASTER_PORT="$port" PYTEST_OUTCOMES="$out/outcomes/rank{rank}.tsv"
       # tmp_path_dist_ckpt is <pytest temp root>/tmp_dist_ckpt, shared by every pytest of the
       # user: concurrent runs need their own temp root (a run's ranks share it).
       export TMPDIR="$WORK/tmp-$name"; rm -rf "$TMPDIR"; mkdir -p "$TMPDIR"

@@ -154,7 +154,7 @@ run_side() {  # SIDE SITE PORT DEADLINE (in $SECONDS)
     (
       cd "$tree" || exit 2
       export PYTHONPATH="$site:$TE_SITE:$WORK/test-deps:$WORK/plugin${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}:$tree"
-      export MLM_UNIT_OUTCOMES=$events MASTER_PORT=$port TMPDIR=$WORK/tmp-$side
+      export PYTEST_OUTCOMES=$events MASTER_PORT=$port TMPDIR=$WORK/tmp-$side
       timeout -k 15 "$remaining" "$PY" -m pytest "${pytest_args[@]}" "${deselect[@]}" "${tests[@]}"
     ) >> "$log" 2>&1
     rc=$?
@@ -217,7 +217,7 @@ cmd_run() {
   "${pip[@]}" "$WORK/mc-upstream" .gpu/wheels/megatron_core-0.19.2-*.whl &&
     "${pip[@]}" "$WORK/mc-build" .gpu/dist-0.19.2/*.whl &&
     "${pip[@]}" "$WORK/test-deps" .gpu/mlm-unit/mock-*.whl || die "install failed"
-  cp scripts/device/mlm_unit_outcomes.py "$WORK/plugin/"
+  cp scripts/device/pytest_outcomes.py "$WORK/plugin/"
   local side
   for side in upstream build; do
     mkdir -p "$WORK/tree-$side" "$WORK/tmp-$side" && tar -xzf "$tarball" -C "$WORK/tree-$side" ||
@@ -250,7 +250,7 @@ cmd_run() {
   fi
   local extra=()
   read -r -a extra <<< "${PYTEST_EXTRA:-}"
-  pytest_args=(-p mlm_unit_outcomes -p no:cacheprovider -v --continue-on-collection-errors
+  pytest_args=(-p pytest_outcomes -p no:cacheprovider -v --continue-on-collection-errors
                "${marker[@]}" "${timeout_args[@]}" "${extra[@]}")
   unrun=notrun
   [[ " ${extra[*]} " == *" --collect-only "* || " ${extra[*]} " == *" --co "* ]] && unrun=collected

@@ -1,8 +1,11 @@
-"""pytest plugin for scripts/device/mlm-unit-tests.sh: every test's outcome, one line as it happens.
+"""pytest plugin: every test's outcome, one line as it happens, for the scripts that run
+Megatron-LM's unit tests on a GPU machine (scripts/device/mlm-unit-tests.sh and
+upstream/run-unit-tests.sh).
 
-Loaded with ``-p mlm_unit_outcomes`` (scripts/device/ on PYTHONPATH); it only records. With
-``MLM_UNIT_OUTCOMES=FILE`` set it appends tab-separated lines to FILE, flushed one by one, so a
-run that is killed still leaves everything up to the test it was in:
+Loaded with ``-p pytest_outcomes`` (scripts/device/ on PYTHONPATH); it only records. With
+``PYTEST_OUTCOMES=FILE`` set it appends tab-separated lines to FILE (``{rank}`` in it becomes
+the process's ``RANK``, 0 without one), flushed one by one, so a run that is killed still leaves
+everything up to the test it was in:
 
     COLLECTED    <nodeid>              every test pytest collected (after deselection)
     START        <nodeid>              before a test's setup
@@ -12,10 +15,15 @@ run that is killed still leaves everything up to the test it was in:
     SESSION_END  <exit status>         pytest finished normally
 
 A test's ``error`` is a failure in its setup or teardown (a teardown error follows the call's
-outcome; the worse one counts, see ``final_outcomes`` in the shell script).
+outcome; the worse one counts, see ``final_outcomes`` in the shell scripts).
+
+With ``PYTEST_OUTCOMES_EXIT_ZERO=1`` the process exits 0 at the end (the status is in the file):
+under torch.distributed.run a rank that exits non-zero (any failed test) makes the launcher stop
+the other ranks, which may still be finishing their last test.
 """
 
 import os
+from pathlib import Path
 from typing import Any, Optional, TextIO
 
 _stream: Optional[TextIO] = None
@@ -28,10 +36,12 @@ def _write(*fields: object) -> None:
 
 
 def pytest_configure(config: Any) -> None:
-    """Open the outcome file named by ``MLM_UNIT_OUTCOMES``, if set."""
+    """Open the outcome file named by ``PYTEST_OUTCOMES``, if set."""
     global _stream
-    path = os.environ.get("MLM_UNIT_OUTCOMES")
-    if path:
+    template = os.environ.get("PYTEST_OUTCOMES")
+    if template:
+        path = Path(template.replace("{rank}", os.environ.get("RANK", "0")))
+        path.parent.mkdir(parents=True, exist_ok=True)
         _stream = open(path, "a", encoding="utf-8")
 
 
@@ -72,5 +82,7 @@ def pytest_runtest_logreport(report: Any) -> None:
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    """Mark a normal end of the session."""
+    """Mark a normal end of the session (and exit 0 with ``PYTEST_OUTCOMES_EXIT_ZERO=1``)."""
     _write("SESSION_END", int(exitstatus))
+    if os.environ.get("PYTEST_OUTCOMES_EXIT_ZERO") == "1":
+        session.exitstatus = 0
