@@ -275,7 +275,7 @@ def same_value(installed: object, given: object) -> bool:
 
 
 def installed_state_problem(
-    optimizer: torch.optim.Optimizer, given: Mapping[str, Any], params: List[List[Any]]
+    optimizer: torch.optim.Optimizer, given: Mapping[str, Any], params: List[List[torch.Tensor]]
 ) -> Optional[str]:
     """Check an install: the parameters stay in their groups (``params``, as before the load),
     which get the state dict's hyper-parameters; exactly the parameters the state dict has state

@@ -279,7 +279,9 @@ def consult(
     return None, "every adopter declined" if adopters else "no adopter is registered"
 
 
-def attempt(point: HookPoint[T], adopter: StateAdopter, snapshot: Snapshot) -> Tuple[bool, Any]:
+def attempt(
+    point: HookPoint[T], adopter: StateAdopter, snapshot: Snapshot
+) -> Tuple[bool, Optional[T]]:
     """Returns (True, result) of ``adopter``'s checked action, or (False, None) once undone."""
     try:
         result = point.act(adopter)

@@ -10,7 +10,7 @@ in while the caller still holds it. Each declines what it cannot prove equal to 
 import sys
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple, cast
 
 import torch
 from packaging.version import InvalidVersion, Version
@@ -31,6 +31,23 @@ _STATE_METHODS = tuple(
 _FIRST_KNOWN, _FIRST_WITH_REMAINDERS = Version("1.13.0.dev0"), Version("2.1.0.dev0")
 #: Elements checked for NaN at a time: bounds the check's transient to 1 MiB.
 STORE_CHUNK_ELEMENTS = 1 << 20
+
+
+class _FusedAdamAttributes(Protocol):
+    """What the adopters read of TE's FusedAdam beyond ``torch.optim.Optimizer``."""
+
+    master_weights: bool
+    store_param_remainders: bool
+    name_to_dtype_map: Dict[str, torch.dtype]
+    _scales: Dict[torch.Tensor, Dict[str, torch.Tensor]]
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        """The state ``state_name`` of ``param`` in FP32 (or int16 remainders)."""
+
+
+def _fused_adam(optimizer: torch.optim.Optimizer) -> _FusedAdamAttributes:
+    """``optimizer`` as the FusedAdam the checks found it to be."""
+    return cast(_FusedAdamAttributes, optimizer)
 
 
 def fused_adam_problem(
@@ -85,7 +102,9 @@ class _TEFusedAdamAdopter(StateAdopter):
         self._te_version = te_version
 
     def _mode_problem(
-        self, context: AdoptionContext, settings_problem: Callable[[Any], Optional[str]]
+        self,
+        context: AdoptionContext,
+        settings_problem: Callable[[torch.optim.Optimizer], Optional[str]],
     ) -> Optional[str]:
         return (  # in order: each check relies on the ones before
             checks.owner_problem(context, self.precision_aware)
@@ -134,7 +153,7 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
                 key: _as_state_of(param, next(moments)) for key in MOMENT_KEYS
             }
 
-    def _settings_problem(self, optimizer: Any) -> Optional[str]:
+    def _settings_problem(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
         """FP32 moments, no master weights, no remainders (absent only before TE 2.1)."""
         try:
             te_version = Version(self._te_version) if self._te_version else get_te_version()
@@ -143,7 +162,7 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
         dtypes = getattr(optimizer, "name_to_dtype_map", None)
         if not hasattr(optimizer, "master_weights"):
             return "FusedAdam has no 'master_weights'"
-        if optimizer.master_weights:
+        if _fused_adam(optimizer).master_weights:
             return "FusedAdam.master_weights is set"
         if getattr(optimizer, "store_param_remainders", False):
             return "FusedAdam.store_param_remainders is set"
@@ -241,7 +260,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
     def adopt(self, context: AdoptionContext) -> None:
         """Install the scaffold by reference, or keep the held state handed back (the payload:
         each incoming tensor is the held one), with TE's scales of one."""
-        optimizer: Any = context.optimizer
+        optimizer = context.optimizer
         assert context.state_dict is not None
         pairs = list(checks.paired_state(optimizer, context.state_dict))
         held = {id(param): optimizer.state.get(param, {}) for _, param, _ in pairs}
@@ -249,13 +268,14 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         torch.optim.Optimizer.load_state_dict(
             optimizer, {"state": {}, "param_groups": list(context.state_dict["param_groups"])}
         )
+        fused_adam = _fused_adam(optimizer)
         for _, param, incoming in pairs:
             optimizer.state[param] = dict(incoming)
             for key, value in incoming.items():  # TE gives every non-FP32 state a scale of one
                 kept = value is held[id(param)].get(key)  # the payload keeps its checked scales
-                if optimizer.name_to_dtype_map[key] != torch.float32 and not kept:
+                if fused_adam.name_to_dtype_map[key] != torch.float32 and not kept:
                     scale = torch.ones([1], dtype=torch.float32, device=param.device)
-                    optimizer._scales.setdefault(param, {})[key] = scale
+                    fused_adam._scales.setdefault(param, {})[key] = scale
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a held state laid out as TE's loader leaves it, with scales of one."""
@@ -278,10 +298,10 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
 
     def read_target(self, context: AdoptionContext, param: torch.Tensor, name: str) -> torch.Tensor:
         """The held BF16 moment; for master weights TE's own target (the held tensor)."""
-        optimizer: Any = context.optimizer
         if name in MOMENT_KEYS:
-            return optimizer.state[param][name]  # type: ignore[no-any-return]
-        return optimizer.get_unscaled_state(param, name)  # type: ignore[no-any-return]
+            held: torch.Tensor = context.optimizer.state[param][name]
+            return held
+        return _fused_adam(context.optimizer).get_unscaled_state(param, name)
 
     def _opt_in_problem(self, context: AdoptionContext) -> Optional[str]:
         field = "precision_aware_optimizer_state_adoption"
@@ -302,7 +322,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
 
     def _held_problem(self, context: AdoptionContext) -> Optional[str]:
         """Every parameter holds the state TE's loader lays out, each BF16 scale one."""
-        optimizer: Any = context.optimizer
+        optimizer = context.optimizer
         if not optimizer.state:
             return "the optimizer holds no state yet"
         held = replace(context, state_dict=checks.held_state_dict(optimizer), owns_state_dict=False)
@@ -314,7 +334,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         scales = []
         for index, param in enumerate(checks.params_of(optimizer)):
             for key, dtype in _expected(optimizer, param).items():
-                scale = optimizer._scales.get(param, {}).get(key)
+                scale = _fused_adam(optimizer)._scales.get(param, {}).get(key)
                 if dtype != torch.bfloat16:
                     continue
                 if not (isinstance(scale, torch.Tensor) and scale.numel() == 1):
@@ -335,23 +355,25 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         return checks.mismatch(given["state"], held, "the incoming state")
 
 
-def _bf16_settings_problem(optimizer: Any) -> Optional[str]:
+def _bf16_settings_problem(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """BF16 moments; with master weights, FP32 ones."""
     for attribute in ("master_weights", "store_param_remainders", "name_to_dtype_map", "_scales"):
         if not hasattr(optimizer, attribute):
             return f"FusedAdam has no '{attribute}'"
-    dtypes = optimizer.name_to_dtype_map
+    fused_adam = _fused_adam(optimizer)
+    dtypes = fused_adam.name_to_dtype_map
     wrong = [key for key in MOMENT_KEYS if dtypes.get(key) is not torch.bfloat16]
-    if optimizer.master_weights and dtypes.get("master_param") is not torch.float32:
+    if fused_adam.master_weights and dtypes.get("master_param") is not torch.float32:
         wrong.append("master_param")
     return f"FusedAdam keeps {wrong[0]} in {dtypes.get(wrong[0])}" if wrong else None
 
 
-def _expected(optimizer: Any, param: torch.Tensor) -> checks.ExpectedState:
+def _expected(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> checks.ExpectedState:
     """The keys and dtypes TE's loader leaves for ``param`` under the precision-aware optimizer."""
     expected = dict.fromkeys(MOMENT_KEYS, torch.bfloat16)
-    if optimizer.master_weights:
-        remainders = optimizer.store_param_remainders and param.dtype == torch.bfloat16
+    fused_adam = _fused_adam(optimizer)
+    if fused_adam.master_weights:
+        remainders = fused_adam.store_param_remainders and param.dtype == torch.bfloat16
         expected["master_param"] = torch.int16 if remainders else torch.float32
     return expected
 
