@@ -10,11 +10,13 @@ Targets: separate FP32 tensors (upstream's FP32 state); FP32 views of one alloca
 adopter's initialization); separate BF16 tensors (the precision-aware adopter's held moments: the
 CPU casts them); FP32 tensors cast to BF16 on the GPU afterwards (upstream's precision-aware
 read, ``get_unscaled_state`` then ``set_scaled_state``); and, through torch DCP directly, BF16
-tensors read through one pinned host buffer and cast on the GPU in 16 MiB chunks.
+tensors read through one pinned host buffer and cast on the GPU in 16 MiB chunks. With
+``--cpu-busy N``, N processes keep CPU cores busy during the reads.
 """
 
 import argparse
 import json
+import multiprocessing
 import os
 import time
 from typing import Callable, Dict, List, Tuple
@@ -65,12 +67,20 @@ class HostScratchPlanner(DefaultLoadPlanner):
         super().commit_tensor(read_item, tensor)
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", required=True, help="where the probe's checkpoint is written")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--json-out", required=True)
+    parser.add_argument("--cpu-busy", type=int, default=0,
+                        help="processes that keep a CPU core busy during the reads, as other "
+                             "ranks of a node do")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()  # without a GPU: a smoke run of the code on the CPU
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -136,6 +146,10 @@ def main() -> None:
             lambda: empty(torch.bfloat16), lambda t: dcp_read(t, HostScratchPlanner(scratch))),
     }
     results: Dict[str, List[Dict[str, float]]] = {name: [] for name in variants}
+    spinners = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+                for _ in range(args.cpu_busy)]
+    for spinner in spinners:
+        spinner.start()
     if not cuda:
         variants = {name: v for name, v in variants.items() if name.startswith("dcp")}
     for name, (make, read) in variants.items():  # warm the page cache and the code paths
@@ -171,7 +185,10 @@ def main() -> None:
                                   "matches_checkpoint": exact})
             print(f"{repeat} {name}: {seconds:.2f} s, peak +{peak / 2**20:,.1f} MiB, ok {exact}", flush=True)
             del targets, loaded
+    for spinner in spinners:
+        spinner.terminate()
     summary = {
+        "cpu_busy_processes": args.cpu_busy,
         "elements": elements, "tensors": len(shapes), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "results": results,
