@@ -62,12 +62,14 @@ class CpuPrecisionAwareDistributedOptimizer(DistributedOptimizer):
     parameter's state read (``_get_main_param_and_optimizer_states`` and
     ``_set_main_param_and_optimizer_states``): the inner optimizer, the index of each model
     parameter in it (the inner parameters stand for the model parameters here), and a config
-    with the precision-aware flag (MCore's OptimizerConfig refuses it without TE on the CPU)."""
+    with the precision-aware flag (MCore's OptimizerConfig refuses it without TE on the CPU); for
+    ``state_dict`` and ``load_state_dict``, no grad scaler (BF16)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Any, ddp_config: Any) -> None:
         self.optimizer = optimizer
         self.config = config
         self.ddp_config = ddp_config
+        self.grad_scaler = None
         self.is_stub_optimizer = False
         self.model_param_group_index_map = {
             param: (group_index, order)
@@ -77,9 +79,10 @@ class CpuPrecisionAwareDistributedOptimizer(DistributedOptimizer):
 
 
 def precision_aware_config(**changes: Any) -> Any:
-    """The flags the precision-aware read and the adoption switch read (MCore's OptimizerConfig
-    refuses the precision-aware flag without TE on the CPU)."""
+    """The flags the precision-aware read, ``load_state_dict`` (BF16, not FP16) and the adoption
+    switch read (MCore's OptimizerConfig refuses the precision-aware flag without TE on the CPU)."""
     fields: Dict[str, Any] = dict(
+        fp16=False,
         use_precision_aware_optimizer=True,
         use_precision_aware_optimizer_no_fp8_or_ds_fp8=True,
         optimizer_cpu_offload=False,
@@ -89,10 +92,12 @@ def precision_aware_config(**changes: Any) -> Any:
     return types.SimpleNamespace(**fields)
 
 
-def precision_aware_owner(optimizer: torch.optim.Optimizer, **config_changes: Any) -> CpuPrecisionAwareDistributedOptimizer:
+def precision_aware_owner(
+    optimizer: torch.optim.Optimizer, initialize: bool = True, **config_changes: Any
+) -> CpuPrecisionAwareDistributedOptimizer:
     """A precision-aware owner of ``optimizer`` whose state is created as the scaffold pass of a
-    resume leaves it (``initialize_state`` of every parameter)."""
-    for group in optimizer.param_groups:
+    resume leaves it (``initialize_state`` of every parameter), unless not to ``initialize``."""
+    for group in optimizer.param_groups if initialize else ():
         for param in group["params"]:
             keeps_remainders = bool(getattr(optimizer, "store_param_remainders", False)) and param.dtype == torch.bfloat16
             optimizer.initialize_state(param, keeps_remainders)  # type: ignore[attr-defined]

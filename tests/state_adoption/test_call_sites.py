@@ -361,9 +361,9 @@ def test_the_distributed_optimizers_first_load_keeps_the_state_the_adopter_creat
         owner.load_state_dict(owner.state_dict())
     finally:
         handle.remove()
-    standin = "te_fused_adam_fp32_standin"  # the export is TE's own: it copies no FP32 state
+    standin = "te_fused_adam_fp32_standin"  # the exports are TE's own: they copy no FP32 state
     assert [(o.hook_point, o.adopter) for o in outcomes] == [
-        ("initialize", standin), ("export", None), ("load", standin)]  # fmt: skip
+        ("initialize", standin), ("export", None), ("export", None), ("load", standin)]  # fmt: skip
     assert all(a is b for a, b in zip(state_tensors(owner.optimizer), created)) and len(created) == 6
     assert len({t.untyped_storage().data_ptr() for t in created}) == 1
     assert owner.optimizer.allocations == 0 and all("step" not in g for g in owner.optimizer.param_groups)
@@ -375,14 +375,15 @@ def _precision_aware_adopter() -> TEFusedAdamPrecisionAwareStateAdopter:
     return TEFusedAdamPrecisionAwareStateAdopter(FusedAdamStandIn, "cpu", name="precision_aware_standin")
 
 
-def _precision_aware(config: Any = None) -> Any:
+def _precision_aware(config: Any = None, initialize: bool = True) -> Any:
     """The installed precision-aware DistributedOptimizer before a read: TE's BF16 moments and
-    int16 remainders of BF16 flat shards (``initialize_state``), one bucket of them."""
+    int16 remainders of BF16 flat shards (``initialize_state``, unless not to ``initialize``),
+    one bucket of them."""
     optimizer = _adam(steps=0, cls=FusedAdamStandIn, master_weights=True, store_param_remainders=True,
                       exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)  # fmt: skip
     for group in optimizer.param_groups:
         group["params"] = [torch.nn.Parameter(p.detach().bfloat16()) for p in group["params"]]
-    owner = precision_aware_owner(optimizer, **({} if config is None else config))
+    owner = precision_aware_owner(optimizer, initialize, **({} if config is None else config))
     owner.gbuf_ranges, numel = _one_bucket(list(owner.model_param_group_index_map)), sum(SIZES)
     bucket = types.SimpleNamespace(numel_unpadded=numel, grad_data=torch.empty(numel))
     owner.buffers = [types.SimpleNamespace(buckets=[bucket])]
@@ -430,6 +431,34 @@ def test_the_precision_aware_read_takes_its_targets_from_the_registry(
     assert all(t["exp_avg"].dtype == torch.float32 for t in _read_and_store(upstream))
     assert outcomes[-1].method == "FusedAdamStandIn.get_unscaled_state"
     assert_bitwise_equal(state_tensors(ours.optimizer), state_tensors(upstream.optimizer))
+
+
+def test_the_precision_aware_first_load_and_read_keep_the_state_the_adopter_created(
+    monkeypatch: pytest.MonkeyPatch, outcomes: List[AdoptionOutcome]
+) -> None:
+    """``sharded_state_dict(is_loading=True)``'s steps with the opt-in adopter (the stand-in, and
+    TE's flags as on a GPU): it creates TE's state in one allocation per dtype; both exports of
+    the pass-1 ``load_state_dict(state_dict())`` are the held tensors (no FP32 copies of the BF16
+    moments), its load keeps them, and the read targets them."""
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    handle = default_registry().register(_precision_aware_adopter(), prepend=True)
+    try:
+        owner = _precision_aware(initialize=False)
+        initialize_inner_optimizer_state(owner)
+        created = state_tensors(owner.optimizer)
+        owner.load_state_dict(owner.state_dict())
+        read = _read_and_store(owner)
+    finally:
+        handle.remove()
+    name = "precision_aware_standin"
+    assert [(o.hook_point, o.adopter) for o in outcomes] == [
+        ("initialize", name), ("export", name), ("export", name), ("load", name), ("read", name)]  # fmt: skip
+    assert all(a is b for a, b in zip(state_tensors(owner.optimizer), created)) and len(created) == 9
+    assert len({t.untyped_storage().data_ptr() for t in created}) == 2  # BF16 moments, int16
+    for tensors, param in zip(read, owner.model_param_group_index_map):
+        assert all(tensors[k] is owner.optimizer.state[param][k] for k in ("exp_avg", "exp_avg_sq"))
+    assert owner.optimizer.allocations == 0
 
 
 # --- the switches -------------------------------------------------------------------------

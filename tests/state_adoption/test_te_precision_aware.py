@@ -154,16 +154,26 @@ def test_the_scaffold_is_installed_by_reference_with_tes_scales_of_one(mode: str
     assert [p.dtype for p in _params(adopted)] == [MODES[mode]["dtype"]] * 4
 
 
-def test_the_scaffold_is_left_to_the_distributed_optimizers_placeholders() -> None:
-    """The adopter creates no state before the distributed optimizer's first load: with state
-    held, that load starts from ``state_dict()``, and TE's (the stand-in's) returns FP32 copies
-    of the BF16 moments, 8 B per parameter more than the placeholders it would replace."""
-    optimizer = _optimizer("BF16 params, int16 remainders")
+@pytest.mark.parametrize("mode", MODES)
+def test_the_initialization_is_tes_own_in_one_allocation_per_dtype(mode: str) -> None:
+    """The state a checkpoint is read into is what TE's ``initialize_state`` creates, bit for
+    bit (zeroed BF16 moments, zeroed int16 remainders or FP32 master weights copied from the
+    parameter, scales of one), with the tensors of each dtype views of one allocation."""
+    ours, by_te = _optimizer(mode), _optimizer(mode)
     registry = registry_of(precision_aware_adopter())
     outcome = outcome_of(registry, lambda: initialize_inner_optimizer_state(
-        _owner(optimizer), registry=registry))  # fmt: skip
-    assert (outcome.adopter, outcome.declines) == (None, ((NAME, "it offers no initialization"),))
-    assert len(optimizer.state) == 0
+        _owner(ours), registry=registry))  # fmt: skip
+    for param in _params(by_te):
+        by_te.initialize_state(param, by_te.store_param_remainders and param.dtype == BF16)
+    assert (outcome.hook_point, outcome.adopter) == ("initialize", NAME)
+    assert [sorted(ours.state[p]) for p in _params(ours)] == [
+        sorted(by_te.state[p]) for p in _params(by_te)
+    ]
+    assert_bitwise_equal(state_tensors(ours), state_tensors(by_te))
+    assert _scales(ours) == _scales(by_te)
+    held = _held(ours)
+    assert len({t.untyped_storage().data_ptr() for t in held}) == len({t.dtype for t in held})
+    assert ours.allocations == 0 and all("step" not in g for g in ours.param_groups)
 
 
 def _export(optimizer: FusedAdamStandIn) -> Dict[str, Any]:

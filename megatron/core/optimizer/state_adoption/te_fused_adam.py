@@ -198,7 +198,8 @@ class TEFusedAdamFP32StateAdopter(_TEFusedAdamAdopter):
 
 
 class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
-    """Installs MCore's scaffold by reference (TE's scales of one), exports the held tensors,
+    """Creates the state a checkpoint is read into as TE does, in one allocation per dtype;
+    installs MCore's scaffold by reference (TE's scales of one), exports the held tensors,
     offers the held BF16 moments as read targets (``torch_dist`` casts into them as TE's
     ``copy_(fp32.bfloat16())``) and keeps the held state handed back. A payload holding a NaN
     declines (TE's loader makes it canonical).
@@ -276,6 +277,37 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
                 if fused_adam.name_to_dtype_map[key] != torch.float32 and not kept:
                     scale = torch.ones([1], dtype=torch.float32, device=param.device)
                     fused_adam._scales.setdefault(param, {})[key] = scale
+
+    def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
+        """Accept what the load accepts of the optimizer and its parameters."""
+        return (
+            self._opt_in_problem(context)
+            or self._mode_problem(context, _bf16_settings_problem)
+            or checks.params_problem(context.optimizer, self._param_problem)
+        )
+
+    def initialize(self, context: AdoptionContext) -> None:
+        """Every parameter's state as TE's ``initialize_state`` creates it (zeroed BF16 moments,
+        zeroed int16 remainders or FP32 master weights copied from the parameter, scales of one),
+        the tensors of each dtype views of one allocation per device (see :mod:`.allocation`)."""
+        optimizer, fused_adam = context.optimizer, _fused_adam(context.optimizer)
+        layout = [
+            (param, key, dtype)
+            for param in checks.params_of(optimizer)
+            for key, dtype in _expected(optimizer, param).items()
+        ]
+        created: Dict[int, torch.Tensor] = {}
+        for dtype in dict.fromkeys(dtype for _, _, dtype in layout):
+            indices = [index for index, entry in enumerate(layout) if entry[2] == dtype]
+            tensors = packed_zeros([layout[index][0] for index in indices], dtype)
+            created.update(zip(indices, tensors))
+        for index, (param, key, dtype) in enumerate(layout):
+            if key == "master_param" and dtype == torch.float32:
+                created[index].copy_(param.detach())
+            optimizer.state[param][key] = created[index]
+            if fused_adam.name_to_dtype_map[key] != torch.float32:
+                scale = torch.ones([1], dtype=torch.float32, device=param.device)
+                fused_adam._scales.setdefault(param, {})[key] = scale
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a held state laid out as TE's loader leaves it, with scales of one."""
