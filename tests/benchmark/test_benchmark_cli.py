@@ -285,8 +285,10 @@ def test_a_report_equal_to_the_peak_once_rounded_is_within_it() -> None:
 @pytest.mark.parametrize(
     ("document_path", "missed"),
     [
-        ("qwen-shapes/first-call/suite.json", set()),
-        ("qwen-shapes/second-call/suite.json", set()),
+        ("public-shapes/qwen0.5b/suite.json", set()),
+        ("public-shapes/llama-mixtral/suite.json", set()),
+        # not deterministic: both resumes' losses equal each other, not the uninterrupted run's
+        ("public-shapes/precision-aware/suite.json", {"llama1b-precision-aware"}),
         ("megatron-lm-small/suite.json", {"llama"}),  # 8.09 at 2.75 x: allocator blocks
         ("llama-style-1b/suite.json", set()),
         ("builtin-llama/suite.json", set()),
@@ -297,19 +299,26 @@ def test_the_committed_h200_runs_re_render_and_meet_their_expectations(
     document_path: str, missed: set[str]
 ) -> None:
     """The committed H200 runs: each report re-renders from its JSON, ``--check``'s verdicts are
-    the GPU report's, and every Llama-style run of the build (own arguments included) has its
-    load peak at the floor (8 B, precision-aware 6 B, per element within 0.05 B) and its max
-    allocated within the uninterrupted run's peak."""
+    the GPU report's, and every Llama-style run of the build (own arguments included) and every
+    public shape's has its load peak at the floor (8 B, precision-aware 6 B, per element within
+    0.02 B on the public shapes, else 0.05 B) and its max allocated within the uninterrupted
+    run's peak."""
     path = Path(__file__).resolve().parents[2] / "docs/gpu-results" / document_path
     document = json.loads(path.read_text())
     assert markdown_report(document) == path.with_suffix(".md").read_text()
     verdicts = {run["configuration"]["name"]: expectation_problems(run) for run in document["runs"]}
     assert {name for name, problems in verdicts.items() if problems} == missed
+    public = document_path.startswith("public-shapes/")
     for run in document["runs"]:
-        if "llama" in run["configuration"]["name"] and run["configuration"]["name"] not in missed:
+        name = run["configuration"]["name"]
+        if public and name in missed:
+            differences = run["loss_differences"]
+            assert differences["build"] == differences["upstream"], name
+        if public or ("llama" in name and name not in missed):
             numbers = run_numbers(run)
             rise, report = numbers.rises["build"], numbers.reports["build"]
             elements, peak = numbers.elements, numbers.training_peak
             assert rise is not None and report is not None and peak is not None and elements
-            floor = 6 if "precision-aware" in run["configuration"]["name"] else 8
-            assert rise <= (floor + 0.05) * elements and within_training_peak(report, peak)
+            floor = 6 if "precision-aware" in name else 8
+            assert rise <= (floor + (0.02 if public else 0.05)) * elements, name
+            assert within_training_peak(report, peak), name
