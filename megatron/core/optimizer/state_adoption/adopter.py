@@ -114,9 +114,10 @@ class StateAdopter(abc.ABC):
         Upstream creates it parameter by parameter (Megatron-FSDP's dummy step, ``init_state_fn``,
         the distributed optimizer's placeholders), each tensor its own allocation. The state
         created here must be what the adopter's load accepts as a state dict the call site owns
-        (:meth:`decline_reason`), its values zero. Where upstream's initialization is a step
-        (Megatron-FSDP's), the inner optimizer's own step without gradients follows, so that
-        the read fills the groups' keys, ``step`` included.
+        (:meth:`decline_reason`), its values the inner optimizer's own initial ones (zeroed
+        moments). Where upstream's initialization is a step (Megatron-FSDP's), the inner
+        optimizer's own step without gradients follows, so that the read fills the groups' keys,
+        ``step`` included.
         """
         raise NotImplementedError
 

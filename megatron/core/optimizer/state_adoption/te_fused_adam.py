@@ -296,11 +296,12 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
             for param in checks.params_of(optimizer)
             for key, dtype in _expected(optimizer, param).items()
         ]
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for index, (_, _, dtype) in enumerate(layout):
+            by_dtype.setdefault(dtype, []).append(index)
         created: Dict[int, torch.Tensor] = {}
-        for dtype in dict.fromkeys(dtype for _, _, dtype in layout):
-            indices = [index for index, entry in enumerate(layout) if entry[2] == dtype]
-            tensors = packed_zeros([layout[index][0] for index in indices], dtype)
-            created.update(zip(indices, tensors))
+        for dtype, indices in by_dtype.items():
+            created.update(zip(indices, packed_zeros([layout[i][0] for i in indices], dtype)))
         for index, (param, key, dtype) in enumerate(layout):
             if key == "master_param" and dtype == torch.float32:
                 created[index].copy_(param.detach())
