@@ -190,9 +190,9 @@ DESCRIPTION_FACTS = {
         "torch.cuda.max_memory_allocated()",
     ],
     D: [
-        "29 -> 6.0",
-        "16.2 -> 8.1",
-        "bitwise identical",
+        "29.06 -> 6.00",
+        "16.17 -> 8.00",
+        "at or below the uninterrupted run's peak",
         "--precision-aware-optimizer-state-adoption",
         "docs/api-guide/core/optimizer_state_adoption.md",
         "https://github.com/NVIDIA/Megatron-LM/pull/7288",

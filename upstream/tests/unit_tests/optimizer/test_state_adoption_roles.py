@@ -129,6 +129,15 @@ def _bare_distributed_optimizer(inner, **config):
 
 
 class TestDistributedOptimizerCallSites:
+    def test_state_dict_exports_through_the_registry(self, register, outcomes):
+        register(ExportingAdopter("exporter", torch.optim.Optimizer.state_dict))
+        distributed = _bare_distributed_optimizer(_trained_adam(0))
+
+        state_dict = distributed.state_dict()
+
+        assert [(o.hook_point, o.adopter) for o in outcomes] == [("export", "exporter")]
+        assert "state" not in state_dict["optimizer"]  # only the groups are kept, as upstream
+
     def test_megatron_fsdp_load_installs_the_tensors_it_holds(self, register, outcomes):
         register(PyTorchLoaderAdopter("accepting"))
         distributed = _bare_distributed_optimizer(_trained_adam(0))
