@@ -269,14 +269,11 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         torch.optim.Optimizer.load_state_dict(
             optimizer, {"state": {}, "param_groups": list(context.state_dict["param_groups"])}
         )
-        fused_adam = _fused_adam(optimizer)
         for _, param, incoming in pairs:
             optimizer.state[param] = dict(incoming)
-            for key, value in incoming.items():  # TE gives every non-FP32 state a scale of one
-                kept = value is held[id(param)].get(key)  # the payload keeps its checked scales
-                if fused_adam.name_to_dtype_map[key] != torch.float32 and not kept:
-                    scale = torch.ones([1], dtype=torch.float32, device=param.device)
-                    fused_adam._scales.setdefault(param, {})[key] = scale
+            for key, value in incoming.items():
+                if value is not held[id(param)].get(key):  # the payload keeps its checked scales
+                    _give_scale_of_one(optimizer, param, key)
 
     def initialize_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept what the load accepts of the optimizer and its parameters."""
@@ -290,7 +287,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         """Every parameter's state as TE's ``initialize_state`` creates it (zeroed BF16 moments,
         zeroed int16 remainders or FP32 master weights copied from the parameter, scales of one),
         the tensors of each dtype views of one allocation per device (see :mod:`.allocation`)."""
-        optimizer, fused_adam = context.optimizer, _fused_adam(context.optimizer)
+        optimizer = context.optimizer
         layout = [
             (param, key, dtype)
             for param in checks.params_of(optimizer)
@@ -306,9 +303,7 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
             if key == "master_param" and dtype == torch.float32:
                 created[index].copy_(param.detach())
             optimizer.state[param][key] = created[index]
-            if fused_adam.name_to_dtype_map[key] != torch.float32:
-                scale = torch.ones([1], dtype=torch.float32, device=param.device)
-                fused_adam._scales.setdefault(param, {})[key] = scale
+            _give_scale_of_one(optimizer, param, key)
 
     def export_decline_reason(self, context: AdoptionContext) -> Optional[str]:
         """Accept a held state laid out as TE's loader leaves it, with scales of one."""
@@ -364,10 +359,10 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         )
         if reason is not None:
             return f"the held state: {reason.replace('incoming ', '')}"
-        scales = []
+        scales, held_scales = [], _fused_adam(optimizer)._scales
         for index, param in enumerate(checks.params_of(optimizer)):
             for key, dtype in _expected(optimizer, param).items():
-                scale = _fused_adam(optimizer)._scales.get(param, {}).get(key)
+                scale = held_scales.get(param, {}).get(key)
                 if dtype != torch.bfloat16:
                     continue
                 if not (isinstance(scale, torch.Tensor) and scale.numel() == 1):
@@ -386,6 +381,15 @@ class TEFusedAdamPrecisionAwareStateAdopter(_TEFusedAdamAdopter):
         assert given is not None
         held = checks.held_state_dict(optimizer)["state"]
         return checks.mismatch(given["state"], held, "the incoming state")
+
+
+def _give_scale_of_one(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> None:
+    """TE's scale of one for state ``key`` of ``param`` where TE keeps it in another dtype than
+    FP32 (``_initialize_state`` and its loader give each such state one)."""
+    fused_adam = _fused_adam(optimizer)
+    if fused_adam.name_to_dtype_map[key] != torch.float32:
+        scale = torch.ones([1], dtype=torch.float32, device=param.device)
+        fused_adam._scales.setdefault(param, {})[key] = scale
 
 
 def _bf16_settings_problem(optimizer: torch.optim.Optimizer) -> Optional[str]:
