@@ -9,9 +9,9 @@
 #   qwen0.5b  Qwen2.5-0.5B: 24 layers, hidden 896, FFN 4864, 14 heads, 2 query groups, QKV bias,
 #             tied embeddings, vocab 151936 (qwen0.5b-vocab128000: the same with vocab 128000)
 #   qwen1.5b  Qwen2.5-1.5B: 28 layers, hidden 1536, FFN 8960, 12 heads, 2 query groups, QKV bias,
-#             tied, vocab 151936
+#             tied, vocab 151936, micro-batch 1 (so that four rows fit on one H200 side by side)
 #   qwen3b    Qwen2.5-3B: 36 layers, hidden 2048, FFN 11008, 16 heads, 2 query groups, QKV bias,
-#             tied, vocab 151936
+#             tied, vocab 151936, micro-batch 1
 #   llama1b   Llama-3.2-1B: 16 layers, hidden 2048, FFN 8192, 32 heads, 8 query groups, tied,
 #             vocab 128256
 #   mixtral   Mixtral-style MoE at 1 B: 8 layers, hidden 1024, 16 heads, 4 query groups, 8
@@ -31,8 +31,8 @@ qwen="--group-query-attention --num-query-groups 2 --add-qkv-bias"
 declare -A shapes=(
   [qwen0.5b]="$qwen --num-layers 24 --hidden-size 896 --ffn-hidden-size 4864 --num-attention-heads 14 --vocab-size 151936"
   [qwen0.5b-vocab128000]="$qwen --num-layers 24 --hidden-size 896 --ffn-hidden-size 4864 --num-attention-heads 14 --vocab-size 128000"
-  [qwen1.5b]="$qwen --num-layers 28 --hidden-size 1536 --ffn-hidden-size 8960 --num-attention-heads 12 --vocab-size 151936"
-  [qwen3b]="$qwen --num-layers 36 --hidden-size 2048 --ffn-hidden-size 11008 --num-attention-heads 16 --vocab-size 151936"
+  [qwen1.5b]="$qwen --num-layers 28 --hidden-size 1536 --ffn-hidden-size 8960 --num-attention-heads 12 --vocab-size 151936 --micro-batch-size 1"
+  [qwen3b]="$qwen --num-layers 36 --hidden-size 2048 --ffn-hidden-size 11008 --num-attention-heads 16 --vocab-size 151936 --micro-batch-size 1"
   [llama1b]="--group-query-attention --num-query-groups 8 --num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32 --vocab-size 128256"
   [mixtral]="--group-query-attention --num-query-groups 4 --num-layers 8 --hidden-size 1024 --ffn-hidden-size 3584 --num-attention-heads 16 --num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --untie-embeddings-and-output-weights --vocab-size 32000"
 )
@@ -49,7 +49,7 @@ for row in ${ROWS:-qwen0.5b-distributed qwen0.5b-fsdp qwen0.5b-fp32}; do
   shape=${row%-*} mode=${row##*-}
   [[ $row == *-precision-aware ]] && shape=${row%-precision-aware} mode=precision-aware
   if [[ -n ${shapes[$shape]:-} && -v modes[$mode] ]]; then
-    runs+=("$row:${shapes[$shape]} ${common[*]} ${modes[$mode]}")
+    runs+=("$row:${common[*]} ${shapes[$shape]} ${modes[$mode]}")  # a shape's own flags win
   else
     runs+=("$row")  # a built-in configuration, at $SIZE
   fi

@@ -9,6 +9,7 @@ from itertools import chain
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .adopter import AdoptionContext
 
@@ -42,12 +43,12 @@ def params_problem(
 
 def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a DTensor (Megatron-FSDP's parameters and state are)."""
-    return isinstance(value, torch.Tensor) and callable(getattr(value, "to_local", None))
+    return isinstance(value, DTensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor that holds its memory), or the tensor itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def extent(tensor: torch.Tensor) -> Optional[Tuple[int, int, int]]:
@@ -68,7 +69,11 @@ class Extents:
 
     def overlap(self, tensor: torch.Tensor, allowed: Optional[str] = None) -> Optional[str]:
         """The label of a range ``tensor`` overlaps, other than an equal one named ``allowed``."""
-        place = extent(tensor)
+        return self._overlap(extent(tensor), allowed)
+
+    def _overlap(
+        self, place: Optional[Tuple[int, int, int]], allowed: Optional[str]
+    ) -> Optional[str]:
         if place is None:
             return None
         storage, start, end = place
@@ -83,7 +88,8 @@ class Extents:
     def add(self, tensor: torch.Tensor, label: str, allowed: Optional[str] = None) -> Optional[str]:
         """Add ``tensor``'s range unless it overlaps one (see :meth:`overlap`): then return that
         one's label (so the ranges stay disjoint, or equal where allowed)."""
-        overlapped, place = self.overlap(tensor, allowed), extent(tensor)
+        place = extent(tensor)
+        overlapped = self._overlap(place, allowed)
         if place is not None and overlapped is None:
             bisect.insort(self._ranges.setdefault(place[0], []), (place[1], place[2], label))
         return overlapped
