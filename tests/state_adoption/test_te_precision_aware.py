@@ -9,9 +9,8 @@ CPU, MCore's OptimizerConfig refuses the precision-aware flag, so the owner's co
 namespace with the flags read (``mcore_owners.precision_aware_config``).
 """
 
-import sys
 import types
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -43,7 +42,6 @@ from megatron.core.optimizer.state_adoption import (
 from megatron.core.optimizer.state_adoption import TEFusedAdamPrecisionAwareStateAdopter
 
 NAME = "te_fused_adam_precision_aware"
-ADOPTER_MODULE = sys.modules[TEFusedAdamPrecisionAwareStateAdopter.__module__]
 BF16 = torch.bfloat16
 MODES: Dict[str, Dict[str, Any]] = {
     "BF16 params, int16 remainders": dict(
@@ -91,13 +89,13 @@ def _scaffold(optimizer: FusedAdamStandIn, seed: int = 1) -> Dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _loaded(mode: str, seed: int = 1, nan: bool = False) -> FusedAdamStandIn:
+def _loaded(mode: str, seed: int = 1, nan: Optional[int] = None) -> FusedAdamStandIn:
     """An optimizer holding state as TE's loader leaves it after pass 1 and the read; ``nan``
-    writes raw BF16 bits (NaNs with payloads, inf, -0.0) into parameter 0's ``exp_avg``."""
+    writes raw BF16 bits (NaNs with payloads, inf, -0.0) into that parameter's ``exp_avg``."""
     optimizer = _optimizer(mode)
     optimizer.load_state_dict(_scaffold(optimizer, seed))
-    if nan:
-        held = optimizer.state[_params(optimizer)[0]]["exp_avg"].view(torch.int16)
+    if nan is not None:
+        held = optimizer.state[_params(optimizer)[nan]]["exp_avg"].view(torch.int16)
         held[: len(NAN_BITS)] = torch.tensor(NAN_BITS, dtype=torch.int16)
     return optimizer
 
@@ -207,17 +205,14 @@ def test_the_payload_of_the_held_tensors_is_kept_as_tes_loader_leaves_it(mode: s
     assert _scales(adopted) == _scales(by_te)
 
 
-@pytest.mark.parametrize(
-    "chunk", [7, ADOPTER_MODULE.STORE_CHUNK_ELEMENTS], ids=["chunks of 7", "default chunks"]
-)
+@pytest.mark.parametrize("nan", [0, -1], ids=["first parameter", "last parameter"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_payload_holding_a_nan_is_left_to_tes_loader_which_makes_it_canonical(
-    mode: str, chunk: int, monkeypatch: pytest.MonkeyPatch
+    mode: str, nan: int
 ) -> None:
     """TE's loader turns every BF16 state into ``.float().bfloat16()``, which changes only NaN
-    payloads: a NaN anywhere (found in chunks) declines, and TE's own loader runs."""
-    monkeypatch.setattr(ADOPTER_MODULE, "STORE_CHUNK_ELEMENTS", chunk)
-    adopted, by_te = _loaded(mode, nan=True), _loaded(mode, nan=True)
+    payloads: a NaN in any tensor, beside an inf, declines, and TE's own loader runs."""
+    adopted, by_te = _loaded(mode, nan=nan), _loaded(mode, nan=nan)
     outcome = _load(adopted, _export(adopted))
     by_te.load_state_dict(_export(by_te))
     assert (outcome.adopter, outcome.method) == (None, "FusedAdamStandIn.load_state_dict")
@@ -225,8 +220,8 @@ def test_a_payload_holding_a_nan_is_left_to_tes_loader_which_makes_it_canonical(
         "the incoming BF16 state holds a NaN, which TE's loader makes canonical"
     )
     assert_bitwise_equal(state_tensors(adopted), state_tensors(by_te))
-    first = adopted.state[_params(adopted)[0]]["exp_avg"]
-    assert first[:2].isnan().all() and first[2:4].view(torch.int16).tolist() == [0x7F80, -0x8000]
+    held = adopted.state[_params(adopted)[nan]]["exp_avg"]
+    assert held[:2].isnan().all() and held[2:4].view(torch.int16).tolist() == [0x7F80, -0x8000]
 
 
 @pytest.mark.parametrize(

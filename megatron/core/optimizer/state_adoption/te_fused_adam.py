@@ -29,8 +29,6 @@ _STATE_METHODS = tuple(
     "get_unscaled_state _apply_scale".split()
 )
 _FIRST_KNOWN, _FIRST_WITH_REMAINDERS = Version("1.13.0.dev0"), Version("2.1.0.dev0")
-#: Elements checked for NaN at a time: bounds the check's transient to 1 MiB.
-STORE_CHUNK_ELEMENTS = 1 << 20
 
 
 class _FusedAdamAttributes(Protocol):
@@ -417,16 +415,9 @@ def _expected(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> checks.E
 
 def _nan_problem(tensors: List[torch.Tensor]) -> Optional[str]:
     """Decline BF16 state holding a NaN, which TE's loader makes canonical (``.float().bfloat16()``
-    changes nothing else): one synchronization for all tensors, in chunks of
-    :data:`STORE_CHUNK_ELEMENTS` elements."""
-    found: Optional[torch.Tensor] = None
-    for tensor in tensors:
-        if tensor.dtype != torch.bfloat16:
-            continue
-        flat = checks.local(tensor).reshape(-1)
-        for start in range(0, flat.numel(), STORE_CHUNK_ELEMENTS):
-            chunk = flat[start : start + STORE_CHUNK_ELEMENTS].isnan().any().reshape(1)
-            found = chunk if found is None else found.logical_or_(chunk.to(found.device))
-    if found is not None and bool(found.item()):
+    changes nothing else): one NaN-propagating maximum per tensor and one synchronization for all,
+    with no transient beyond a scalar per tensor."""
+    maxima = [checks.local(t).amax() for t in tensors if t.dtype == torch.bfloat16 and t.numel()]
+    if maxima and bool(torch.stack([m.to(maxima[0].device) for m in maxima]).isnan().any()):
         return "the incoming BF16 state holds a NaN, which TE's loader makes canonical"
     return None
