@@ -287,6 +287,8 @@ def test_a_report_equal_to_the_peak_once_rounded_is_within_it() -> None:
     [
         ("public-shapes/qwen0.5b/suite.json", set()),
         ("public-shapes/llama-mixtral/suite.json", set()),
+        ("public-shapes/qwen1.5b-qwen3b/suite.json", set()),
+        ("public-shapes/mixtral-precision-aware/suite.json", set()),
         # not deterministic: both resumes' losses equal each other, not the uninterrupted run's
         ("public-shapes/precision-aware/suite.json", {"llama1b-precision-aware"}),
         ("megatron-lm-small/suite.json", {"llama"}),  # 8.09 at 2.75 x: allocator blocks
